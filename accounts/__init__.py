@@ -1,0 +1,1 @@
+"""Operator accounts: users with a role (viewer, operator, admin) and API tokens for integrations."""

@@ -1,0 +1,165 @@
+from django.utils import timezone
+from rest_framework import serializers
+
+from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken
+
+
+class CohortSerializer(serializers.ModelSerializer):
+    device_count = serializers.IntegerField(read_only=True, required=False)
+
+    class Meta:
+        model = Cohort
+        fields = ["id", "name", "description", "created_at", "device_count"]
+        read_only_fields = ["id", "created_at", "device_count"]
+
+
+class EnrollmentTokenSerializer(serializers.ModelSerializer):
+    cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    usable = serializers.SerializerMethodField()
+
+    class Meta:
+        model = EnrollmentToken
+        fields = [
+            "id",
+            "name",
+            "prefix",
+            "cohort",
+            "uses_left",
+            "expires_at",
+            "requires_approval",
+            "created_by",
+            "created_at",
+            "revoked_at",
+            "usable",
+        ]
+        read_only_fields = ["id", "prefix", "created_by", "created_at", "revoked_at", "usable"]
+        extra_kwargs = {"uses_left": {"min_value": 1, "help_text": "Omit or null for unlimited until expiry."}}
+
+    def get_usable(self, token) -> bool:
+        return (
+            token.revoked_at is None
+            and token.expires_at > timezone.now()
+            and (token.uses_left is None or token.uses_left > 0)
+        )
+
+    def validate_expires_at(self, value):
+        if value <= timezone.now():
+            raise serializers.ValidationError("The expiry must be in the future.")
+        return value
+
+
+class EnrollmentTokenIssuedSerializer(EnrollmentTokenSerializer):
+    token = serializers.CharField(read_only=True, help_text="The secret; shown only in this response.")
+
+    class Meta(EnrollmentTokenSerializer.Meta):
+        fields = EnrollmentTokenSerializer.Meta.fields + ["token"]
+
+
+class DeviceEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = DeviceEvent
+        fields = ["id", "kind", "actor_label", "detail", "created_at"]
+
+
+class DeviceSerializer(serializers.ModelSerializer):
+    cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
+
+    class Meta:
+        model = Device
+        fields = [
+            "id",
+            "name",
+            "cohort",
+            "status",
+            "public_key",
+            "hardware",
+            "labels",
+            "agent_version",
+            "enrolled_at",
+            "last_seen_at",
+            "online",
+            "battery_percent",
+            "charging",
+            "free_memory_mb",
+            "local_metrics",
+        ]
+        read_only_fields = [f for f in fields if f not in ("name", "cohort", "labels")]
+
+    def validate_labels(self, value):
+        if not isinstance(value, dict) or len(value) > 32:
+            raise serializers.ValidationError("labels must be an object of at most 32 entries")
+        for key, item in value.items():
+            if not isinstance(item, str) or len(key) > 64 or len(item) > 128:
+                raise serializers.ValidationError("labels map names (≤64 chars) to strings (≤128 chars)")
+        return value
+
+
+class DeviceDetailSerializer(DeviceSerializer):
+    recent_events = serializers.SerializerMethodField()
+
+    class Meta(DeviceSerializer.Meta):
+        fields = DeviceSerializer.Meta.fields + ["recent_events"]
+
+    def get_recent_events(self, device) -> list[dict]:
+        return DeviceEventSerializer(device.events.all()[:25], many=True).data
+
+
+class DeviceActionSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
+
+
+class EnrollRequestSerializer(serializers.Serializer):
+    token = serializers.CharField(max_length=200)
+    public_key = serializers.CharField(max_length=64, help_text="Ed25519 public key, base64url (32 bytes)")
+    name = serializers.CharField(max_length=100)
+    hardware = serializers.DictField(required=False, default=dict)
+    labels = serializers.DictField(child=serializers.CharField(max_length=128), required=False, default=dict)
+    agent_version = serializers.CharField(max_length=32, required=False, default="", allow_blank=True)
+
+    def validate_hardware(self, value):
+        if len(value) > 16:
+            raise serializers.ValidationError("at most 16 hardware fields")
+        return value
+
+    def validate_labels(self, value):
+        if len(value) > 32:
+            raise serializers.ValidationError("at most 32 labels")
+        return value
+
+
+class EnrollResponseSerializer(serializers.Serializer):
+    device_id = serializers.UUIDField()
+    status = serializers.CharField()
+    cohort = serializers.CharField()
+    server_public_key = serializers.CharField(help_text="Pin this: the server signs manifests with it.")
+    websocket_path = serializers.CharField()
+    heartbeat_interval = serializers.IntegerField()
+
+
+class ChallengeRequestSerializer(serializers.Serializer):
+    device_id = serializers.UUIDField()
+
+
+class ChallengeResponseSerializer(serializers.Serializer):
+    nonce = serializers.CharField()
+    expires_in = serializers.IntegerField()
+
+
+class TokenRequestSerializer(serializers.Serializer):
+    device_id = serializers.UUIDField()
+    nonce = serializers.CharField(max_length=128)
+    signature = serializers.CharField(max_length=128)
+
+
+class TokenResponseSerializer(serializers.Serializer):
+    token = serializers.CharField()
+    expires_in = serializers.IntegerField()
+
+
+class DeviceHeartbeatSerializer(serializers.Serializer):
+    seq = serializers.IntegerField(min_value=0)
+    battery = serializers.FloatField(min_value=0, max_value=100, required=False, allow_null=True)
+    charging = serializers.BooleanField(required=False, allow_null=True)
+    free_memory_mb = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    metrics = serializers.DictField(child=serializers.FloatField(), required=False, default=dict)

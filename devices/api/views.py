@@ -1,0 +1,268 @@
+from __future__ import annotations
+
+import uuid
+
+import django_filters
+from django.conf import settings
+from django.db.models import Count
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
+from rest_framework.views import APIView
+
+from accounts.roles import Role
+from devices import presence
+from devices.api.serializers import (
+    ChallengeRequestSerializer,
+    ChallengeResponseSerializer,
+    CohortSerializer,
+    DeviceActionSerializer,
+    DeviceDetailSerializer,
+    DeviceHeartbeatSerializer,
+    DeviceSerializer,
+    EnrollmentTokenIssuedSerializer,
+    EnrollmentTokenSerializer,
+    EnrollRequestSerializer,
+    EnrollResponseSerializer,
+    TokenRequestSerializer,
+    TokenResponseSerializer,
+)
+from devices.authentication import DeviceTokenAuthentication, IsDevice
+from devices.identity import NONCE_TTL_SECONDS, rest_challenge_create, rest_token_issue
+from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
+from devices.services import (
+    device_enroll,
+    device_transition,
+    device_update,
+    enrollment_token_create,
+    enrollment_token_revoke,
+)
+from edge_agent.protocol import AGENT_WS_PATH
+from fleet.api.errors import ApiError
+from fleet.server_key import server_public_key_b64
+
+
+class CohortViewSet(viewsets.ModelViewSet):
+    """Cohorts: named groups of devices. Admins change them; a cohort with devices cannot be deleted."""
+
+    write_role = Role.ADMIN
+    serializer_class = CohortSerializer
+    queryset = Cohort.objects.annotate(device_count=Count("devices")).order_by("name")
+    search_fields = ["name", "description"]
+    ordering_fields = ["name", "created_at", "device_count"]
+    http_method_names = ["get", "post", "patch", "delete"]
+
+    def perform_destroy(self, cohort):
+        if cohort.devices.exists() or cohort.enrollment_tokens.exists():
+            raise ApiError("cohort_in_use", "This cohort still has devices or enrollment tokens.", status_code=409)
+        cohort.delete()
+
+
+class EnrollmentTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Enrollment tokens. The secret is returned once, by create; only its hash is stored."""
+
+    write_role = Role.ADMIN
+    serializer_class = EnrollmentTokenSerializer
+    queryset = EnrollmentToken.objects.select_related("cohort", "created_by")
+    filterset_fields = ["cohort__name", "requires_approval"]
+    search_fields = ["name", "prefix"]
+
+    @extend_schema(request=EnrollmentTokenSerializer, responses={201: EnrollmentTokenIssuedSerializer})
+    def create(self, request):
+        data = EnrollmentTokenSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        issued = enrollment_token_create(
+            cohort=data.validated_data["cohort"],
+            name=data.validated_data["name"],
+            expires_at=data.validated_data["expires_at"],
+            uses=data.validated_data.get("uses_left"),
+            requires_approval=data.validated_data.get("requires_approval", True),
+            created_by=request.user,
+        )
+        body = EnrollmentTokenSerializer(issued.token).data | {"token": issued.raw}
+        return Response(body, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=EnrollmentTokenSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request, pk=None):
+        return Response(EnrollmentTokenSerializer(enrollment_token_revoke(token=self.get_object())).data)
+
+
+class DeviceFilter(django_filters.FilterSet):
+    cohort = django_filters.CharFilter(field_name="cohort__name")
+    status = django_filters.MultipleChoiceFilter(choices=DeviceStatus.choices)
+    online = django_filters.BooleanFilter()
+    agent_version = django_filters.CharFilter()
+    label = django_filters.CharFilter(method="filter_label", help_text="`key` (has the label) or `key=value`")
+
+    class Meta:
+        model = Device
+        fields = ["cohort", "status", "online", "agent_version", "label"]
+
+    def filter_label(self, queryset, name, value):
+        label, sep, wanted = value.partition("=")
+        if sep:
+            return queryset.filter(labels__contains={label: wanted})
+        return queryset.filter(labels__has_key=label)
+
+
+class DeviceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """The fleet. Admins approve, reject, retire and edit devices; operators may also quarantine and
+    reactivate them (an incident response). Every change is recorded as a device event with its author."""
+
+    write_role = Role.ADMIN
+    queryset = Device.objects.select_related("cohort")
+    filterset_class = DeviceFilter
+    search_fields = ["name", "agent_version"]
+    ordering_fields = ["name", "enrolled_at", "last_seen_at", "status"]
+
+    def get_serializer_class(self):
+        return DeviceDetailSerializer if self.action == "retrieve" else DeviceSerializer
+
+    def filter_queryset(self, queryset):
+        term = self.request.query_params.get("search", "").strip()
+        try:
+            return queryset.filter(pk=uuid.UUID(term))  # a pasted device id finds exactly that device
+        except ValueError:
+            return super().filter_queryset(queryset)
+
+    @extend_schema(request=DeviceSerializer, responses=DeviceDetailSerializer)
+    def partial_update(self, request, pk=None):
+        device = self.get_object()
+        data = DeviceSerializer(device, data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        device = device_update(device=device, actor=request.user, **data.validated_data)
+        return Response(DeviceDetailSerializer(device).data)
+
+    def _transition(self, request, action_name: str):
+        data = DeviceActionSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        device = device_transition(
+            device=self.get_object(),
+            action=action_name,
+            actor=request.user,
+            reason=data.validated_data.get("reason", ""),
+        )
+        return Response(DeviceDetailSerializer(device).data)
+
+    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def approve(self, request, pk=None):
+        return self._transition(request, "approve")
+
+    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def reject(self, request, pk=None):
+        return self._transition(request, "reject")
+
+    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @action(detail=True, methods=["post"], write_role=Role.OPERATOR)
+    def quarantine(self, request, pk=None):
+        return self._transition(request, "quarantine")
+
+    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @action(detail=True, methods=["post"], write_role=Role.OPERATOR)
+    def reactivate(self, request, pk=None):
+        return self._transition(request, "reactivate")
+
+    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def retire(self, request, pk=None):
+        return self._transition(request, "retire")
+
+
+class EnrollmentThrottle(SimpleRateThrottle):
+    """Per client address, at ENROLLMENT_RATE (read per request, so it can be changed without a restart)."""
+
+    scope = "enroll"
+
+    def get_rate(self) -> str:
+        return settings.ENROLLMENT_RATE
+
+    def get_cache_key(self, request, view) -> str:
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+
+class _PublicDeviceEndpoint(APIView):
+    """Called by devices before they hold a token: no operator auth, rate limited per client address."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes = [EnrollmentThrottle]
+
+
+class EnrollView(_PublicDeviceEndpoint):
+    """A device joins the fleet with an enrollment token and its Ed25519 public key."""
+
+    @extend_schema(request=EnrollRequestSerializer, responses={201: EnrollResponseSerializer})
+    def post(self, request):
+        data = EnrollRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        device = device_enroll(**data.validated_data)
+        body = {
+            "device_id": device.pk,
+            "status": device.status,
+            "cohort": device.cohort.name,
+            "server_public_key": server_public_key_b64(),
+            "websocket_path": AGENT_WS_PATH,
+            "heartbeat_interval": settings.HEARTBEAT_INTERVAL_SECONDS,
+        }
+        return Response(EnrollResponseSerializer(body).data, status=status.HTTP_201_CREATED)
+
+
+class DeviceChallengeView(_PublicDeviceEndpoint):
+    """Step 1 of device REST auth: a single-use nonce for this device id, valid for a minute."""
+
+    @extend_schema(request=ChallengeRequestSerializer, responses=ChallengeResponseSerializer)
+    def post(self, request):
+        data = ChallengeRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        nonce = rest_challenge_create(device_id=data.validated_data["device_id"])
+        return Response({"nonce": nonce, "expires_in": NONCE_TTL_SECONDS})
+
+
+class DeviceTokenView(_PublicDeviceEndpoint):
+    """Step 2: the nonce signed with the device key, exchanged for a short-lived `Device` token."""
+
+    @extend_schema(request=TokenRequestSerializer, responses=TokenResponseSerializer)
+    def post(self, request):
+        data = TokenRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        issued = rest_token_issue(
+            device_id=data.validated_data["device_id"],
+            nonce=data.validated_data["nonce"],
+            signature=data.validated_data["signature"],
+        )
+        return Response({"token": issued.token, "expires_in": issued.expires_in})
+
+
+class _DeviceSelfView(APIView):
+    authentication_classes = [DeviceTokenAuthentication]
+    permission_classes = [IsDevice]
+
+
+class DeviceSelfView(_DeviceSelfView):
+    """The calling device's own record; a device can only ever read itself."""
+
+    @extend_schema(responses=DeviceSerializer)
+    def get(self, request):
+        return Response(DeviceSerializer(request.user.device).data)
+
+
+class DeviceHeartbeatView(_DeviceSelfView):
+    """A heartbeat over REST, for devices that cannot hold a socket; same fields as the socket's."""
+
+    @extend_schema(request=DeviceHeartbeatSerializer, responses={204: None})
+    def post(self, request):
+        if not isinstance(request.data, dict):
+            raise ValidationError({"non_field_errors": ["expected a JSON object"]})
+        try:
+            state = presence.parse_heartbeat(dict(request.data))
+        except ValueError as exc:
+            raise ValidationError({"heartbeat": [str(exc)]}) from None
+        presence.record_heartbeat_sync(str(request.user.device.pk), state)
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,117 @@
+"""How a device proves who it is: an Ed25519 signature over a server nonce, never a shared secret.
+
+The socket uses it directly (challenge on connect). REST callers exchange a signed nonce for a
+short-lived device token (``Authorization: Device <token>``); the device's status is re-checked on every
+request, so quarantining a device cuts its token too.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.core import signing
+from django.core.cache import cache
+
+from devices.errors import DeviceAuthFailed
+from devices.models import Device, DeviceEvent, DeviceStatus
+from edge_agent.protocol import b64encode, public_key_from_b64, token_request_payload, verify
+
+TOKEN_SALT = "devices.device-token"  # noqa: S105  (a signing namespace, not a secret)
+NONCE_TTL_SECONDS = 60
+
+
+def new_nonce() -> str:
+    return b64encode(secrets.token_bytes(32))
+
+
+def _parse_device_id(raw) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(raw))
+    except ValueError:
+        raise DeviceAuthFailed("malformed", "device_id must be a UUID.", status_code=400) from None
+
+
+def device_verify(*, device_id, payload: dict, signature) -> Device:
+    """Load the device and check the signature with its enrolled key. Status is checked separately."""
+    parsed = _parse_device_id(device_id)
+    device = Device.objects.select_related("cohort").filter(pk=parsed).first()
+    if device is None:
+        raise DeviceAuthFailed("auth_failed", "Unknown device or bad signature.", status_code=401)
+    if not isinstance(signature, str) or not verify(public_key_from_b64(device.public_key), payload, signature):
+        _record_auth_failure(device)
+        raise DeviceAuthFailed("auth_failed", "Unknown device or bad signature.", status_code=401)
+    return device
+
+
+AUTH_FAILURE_EVENT_EVERY_SECONDS = 300
+
+
+def _record_auth_failure(device: Device) -> None:
+    """Someone tried to act as this device with a wrong key: leave a trace, at most one per few minutes."""
+    if cache.add(f"devauth:failed:{device.pk}", 1, timeout=AUTH_FAILURE_EVENT_EVERY_SECONDS):
+        DeviceEvent.objects.create(
+            device=device,
+            kind=DeviceEvent.Kind.AUTH_FAILED,
+            actor_label="unknown",
+            detail={"reason": "signature did not verify with the enrolled key"},
+        )
+
+
+def ensure_may_sync(device: Device) -> None:
+    if device.status == DeviceStatus.ACTIVE:
+        return
+    messages = {
+        DeviceStatus.PENDING: "This device is waiting for an operator to approve it.",
+        DeviceStatus.QUARANTINED: "This device is quarantined by an operator.",
+        DeviceStatus.RETIRED: "This device is retired and can no longer sync.",
+    }
+    raise DeviceAuthFailed(f"device_{device.status}", messages[device.status], status_code=403)
+
+
+def rest_challenge_create(*, device_id) -> str:
+    parsed = _parse_device_id(device_id)
+    nonce = new_nonce()
+    cache.set(f"devauth:nonce:{nonce}", str(parsed), timeout=NONCE_TTL_SECONDS)
+    return nonce
+
+
+@dataclass(frozen=True)
+class DeviceToken:
+    token: str
+    expires_in: int
+
+
+def rest_token_issue(*, device_id, nonce, signature) -> DeviceToken:
+    """Spend a nonce (once) and, if the device signed it, issue a short-lived token."""
+    if not isinstance(nonce, str) or not nonce:
+        raise DeviceAuthFailed("malformed", "nonce is required.", status_code=400)
+    owner = cache.get(f"devauth:nonce:{nonce}")
+    if owner is None or not cache.delete(f"devauth:nonce:{nonce}"):
+        raise DeviceAuthFailed("nonce_invalid", "Unknown, expired or already used nonce.", status_code=401)
+    if owner != str(_parse_device_id(device_id)):
+        raise DeviceAuthFailed("nonce_invalid", "This nonce was issued to another device.", status_code=401)
+    device = device_verify(
+        device_id=device_id, payload=token_request_payload(nonce=nonce, device_id=owner), signature=signature
+    )
+    ensure_may_sync(device)
+    token = signing.dumps({"d": str(device.pk), "k": device.public_key[:16]}, salt=TOKEN_SALT)
+    return DeviceToken(token=token, expires_in=settings.DEVICE_TOKEN_TTL_SECONDS)
+
+
+def rest_token_device(token: str) -> Device:
+    try:
+        data = signing.loads(token, salt=TOKEN_SALT, max_age=settings.DEVICE_TOKEN_TTL_SECONDS)
+    except signing.SignatureExpired:
+        raise DeviceAuthFailed(
+            "token_expired", "The device token has expired; request a new one.", status_code=401
+        ) from None
+    except signing.BadSignature:
+        raise DeviceAuthFailed("auth_failed", "Invalid device token.", status_code=401) from None
+    device = Device.objects.select_related("cohort").filter(pk=data.get("d")).first()
+    if device is None or device.public_key[:16] != data.get("k"):
+        raise DeviceAuthFailed("auth_failed", "Invalid device token.", status_code=401)
+    ensure_may_sync(device)
+    return device

@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class Cohort(models.Model):
+    """A named group of devices (by region, hardware or use case); rollouts and rounds target cohorts."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class EnrollmentTokenQuerySet(models.QuerySet):
+    def usable(self):
+        return self.filter(revoked_at__isnull=True, expires_at__gt=timezone.now()).filter(
+            Q(uses_left__isnull=True) | Q(uses_left__gt=0)
+        )
+
+
+class EnrollmentToken(models.Model):
+    """A secret an operator hands to devices so they can join a cohort.
+
+    Only its sha256 is stored; it is shown once. ``uses_left`` of None means unlimited until expiry.
+    With ``requires_approval`` devices enrolled with it stay ``pending`` until an operator approves them;
+    otherwise they are pre-authorized and ``active`` at once.
+    """
+
+    cohort = models.ForeignKey(Cohort, on_delete=models.PROTECT, related_name="enrollment_tokens")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16)
+    token_hash = models.CharField(max_length=64, unique=True)
+    uses_left = models.PositiveIntegerField(null=True, blank=True)
+    expires_at = models.DateTimeField()
+    requires_approval = models.BooleanField(default=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = EnrollmentTokenQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+
+class DeviceStatus(models.TextChoices):
+    PENDING = "pending", "Pending approval"
+    ACTIVE = "active", "Active"
+    QUARANTINED = "quarantined", "Quarantined"
+    RETIRED = "retired", "Retired"
+
+
+class Device(models.Model):
+    """One enrolled edge device, known by its Ed25519 public key.
+
+    Only ``active`` devices may sync. ``online``, ``last_seen_at`` and the power fields are written in
+    batches from the Redis presence set (``devices.presence``), never once per heartbeat, so they lag the
+    live connection by up to the flush interval. Retired is terminal: the key can never sync again.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=100)
+    cohort = models.ForeignKey(Cohort, on_delete=models.PROTECT, related_name="devices")
+    status = models.CharField(max_length=16, choices=DeviceStatus.choices, default=DeviceStatus.PENDING)
+    public_key = models.CharField(max_length=64, unique=True, help_text="Ed25519 public key, base64url")
+    hardware = models.JSONField(default=dict, blank=True, help_text="ram_mb, cpu, accelerator, os")
+    labels = models.JSONField(default=dict, blank=True, help_text="free-form key/value strings")
+    agent_version = models.CharField(max_length=32, blank=True)
+    enrolled_at = models.DateTimeField(default=timezone.now)
+    enrolled_with = models.ForeignKey(EnrollmentToken, on_delete=models.SET_NULL, null=True, related_name="devices")
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    online = models.BooleanField(default=False)
+    battery_percent = models.FloatField(null=True, blank=True)
+    charging = models.BooleanField(null=True, blank=True)
+    free_memory_mb = models.IntegerField(null=True, blank=True)
+    local_metrics = models.JSONField(default=dict, blank=True)
+    # What it runs (as it last reported) and what it should run; assignment_seq is the last sequence
+    # number issued to it (training.Assignment), so manifests are strictly increasing per device.
+    running_version = models.ForeignKey(
+        "training.AdapterVersion", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    desired_version = models.ForeignKey(
+        "training.AdapterVersion", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    assignment_seq = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["name", "id"]
+        indexes = [
+            models.Index(fields=["cohort", "status"]),
+            models.Index(fields=["status", "online"]),
+            models.Index(fields=["agent_version"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+
+class DeviceEvent(models.Model):
+    """Something that happened to a device: enrollment, a status change (with who did it), online/offline."""
+
+    class Kind(models.TextChoices):
+        ENROLLED = "enrolled"
+        APPROVED = "approved"
+        REJECTED = "rejected"
+        QUARANTINED = "quarantined"
+        REACTIVATED = "reactivated"
+        RETIRED = "retired"
+        UPDATED = "updated"
+        ONLINE = "online"
+        OFFLINE = "offline"
+        AUTH_FAILED = "auth_failed"
+
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=24, choices=Kind.choices)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    actor_label = models.CharField(max_length=64, help_text="username, 'device' or 'system'")
+    detail = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["device", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.device_id} by {self.actor_label}"

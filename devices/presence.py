@@ -1,0 +1,255 @@
+"""Who is online, tracked in Redis and written to the database in batches.
+
+The agent socket records each hello and heartbeat in Redis (one pipelined round trip, no database write).
+A beat task, ``flush_presence``, turns that into ``Device.online`` / ``last_seen_at`` / power fields with a
+few bulk statements, marks devices offline once they have been silent for ``DEVICE_OFFLINE_AFTER_SECONDS``
+or disconnected cleanly, and records the transitions as events. Since the state lives in Redis with
+timestamps, a server process that dies simply stops refreshing its devices, and they go offline on time.
+
+Keys (all under REDIS_PREFIX):
+    presence:seen   ZSET device_id -> last hello/heartbeat (unix seconds)
+    presence:gone   ZSET device_id -> clean disconnect time
+    presence:state  HASH device_id -> JSON of the last heartbeat's power/memory/metrics
+    presence:conn   HASH device_id -> channel name of its current socket (for pushes)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from functools import cache
+
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from devices.models import Device, DeviceEvent
+
+
+def key(name: str) -> str:
+    return f"{settings.REDIS_PREFIX}:presence:{name}"
+
+
+def offline_after() -> float:
+    return float(settings.DEVICE_OFFLINE_AFTER_SECONDS)
+
+
+MAX_METRICS = 32
+
+_async_clients: dict[int, aioredis.Redis] = {}
+
+
+def async_client() -> aioredis.Redis:
+    """One asyncio Redis client per event loop (the server runs one loop per process)."""
+    import asyncio
+
+    loop_id = id(asyncio.get_running_loop())
+    client = _async_clients.get(loop_id)
+    if client is None:
+        client = aioredis.Redis.from_url(
+            settings.REDIS_URL,
+            socket_timeout=30,
+            socket_connect_timeout=5,
+            max_connections=200,
+            health_check_interval=30,
+        )
+        _async_clients[loop_id] = client
+    return client
+
+
+@cache
+def sync_client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5)
+
+
+async def record_connected(device_id: str, channel_name: str) -> str | None:
+    """Mark a device seen and make this socket its current one; returns the channel of a socket it replaces."""
+    client = async_client()
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hget(key("conn"), device_id)
+        pipe.hset(key("conn"), device_id, channel_name)
+        pipe.zadd(key("seen"), {device_id: time.time()})
+        pipe.zrem(key("gone"), device_id)
+        previous, *_ = await pipe.execute()
+    previous = previous.decode() if previous else None
+    return previous if previous and previous != channel_name else None
+
+
+def parse_heartbeat(message: dict) -> dict:
+    """Validate a heartbeat's fields; raises ValueError naming the bad one."""
+    seq = message.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise ValueError("seq must be a non-negative integer")
+    battery = message.get("battery")
+    if battery is not None and (not _finite(battery) or not 0 <= battery <= 100):
+        raise ValueError("battery must be a percentage from 0 to 100, or null")
+    charging = message.get("charging")
+    if charging is not None and not isinstance(charging, bool):
+        raise ValueError("charging must be true, false or null")
+    free_memory = message.get("free_memory_mb")
+    if free_memory is not None and (
+        not isinstance(free_memory, int) or isinstance(free_memory, bool) or free_memory < 0
+    ):
+        raise ValueError("free_memory_mb must be a non-negative integer, or null")
+    metrics = message.get("metrics") or {}
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
+        raise ValueError(f"metrics must be an object of at most {MAX_METRICS} numbers")
+    for name, value in metrics.items():
+        if len(name) > 64 or not _finite(value):
+            raise ValueError(f"metric {name[:64]!r} must be a finite number with a name under 64 characters")
+    return {"battery": battery, "charging": charging, "free_memory_mb": free_memory, "metrics": metrics}
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+async def record_heartbeat(device_id: str, state: dict) -> None:
+    client = async_client()
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.zadd(key("seen"), {device_id: time.time()})
+        pipe.hset(key("state"), device_id, json.dumps(state, separators=(",", ":")))
+        await pipe.execute()
+
+
+def record_heartbeat_sync(device_id: str, state: dict) -> None:
+    """The same as ``record_heartbeat``, for devices that report over REST instead of a socket."""
+    pipe = sync_client().pipeline(transaction=False)
+    pipe.zadd(key("seen"), {device_id: time.time()})
+    pipe.hset(key("state"), device_id, json.dumps(state, separators=(",", ":")))
+    pipe.execute()
+
+
+# Remove the connection entry only if it still names this socket (a newer socket may have replaced it).
+_RELEASE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+async def record_disconnected(device_id: str, channel_name: str) -> None:
+    await async_client().eval(_RELEASE, 2, key("conn"), key("gone"), device_id, channel_name, time.time())
+
+
+async def current_channel(device_id: str) -> str | None:
+    value = await async_client().hget(key("conn"), device_id)
+    return value.decode() if value else None
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    seen: int
+    came_online: list[str]
+    went_offline: list[str]
+
+
+def _parse_state(raw: bytes | None) -> dict:
+    if not raw:
+        return {}
+    try:
+        state = json.loads(raw)
+    except ValueError:
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def flush_presence(*, now: float | None = None) -> FlushResult:
+    """Write the Redis presence picture to the database in bulk; idempotent, safe to run concurrently."""
+    client = sync_client()
+    now = now or time.time()
+    horizon = now - offline_after()
+    seen = {
+        member.decode(): score for member, score in client.zrangebyscore(key("seen"), horizon, "+inf", withscores=True)
+    }
+    gone = {
+        member.decode(): score for member, score in client.zrangebyscore(key("gone"), horizon, "+inf", withscores=True)
+    }
+    online = {device_id: ts for device_id, ts in seen.items() if gone.get(device_id, 0) < ts}
+    states = dict(zip(online, client.hmget(key("state"), list(online)), strict=True)) if online else {}
+
+    rows = []
+    for device_id, ts in online.items():
+        state = _parse_state(states.get(device_id))
+        rows.append(
+            (
+                device_id,
+                ts,
+                _number(state.get("battery")),
+                state.get("charging") if isinstance(state.get("charging"), bool) else None,
+                int(_number(state.get("free_memory_mb")) or 0) or None,
+                json.dumps(state.get("metrics") if isinstance(state.get("metrics"), dict) else {}),
+            )
+        )
+
+    with transaction.atomic():
+        came_online = _apply_online(rows)
+        went_offline = list(
+            Device.objects.filter(online=True).exclude(pk__in=list(online)).values_list("pk", flat=True)
+        )
+        if went_offline:
+            Device.objects.filter(pk__in=went_offline, online=True).update(online=False)
+        now_dt = timezone.now()
+        DeviceEvent.objects.bulk_create(
+            [
+                DeviceEvent(device_id=d, kind=DeviceEvent.Kind.ONLINE, actor_label="system", created_at=now_dt)
+                for d in came_online
+            ]
+            + [
+                DeviceEvent(device_id=d, kind=DeviceEvent.Kind.OFFLINE, actor_label="system", created_at=now_dt)
+                for d in went_offline
+            ],
+            batch_size=1000,
+        )
+    # Forget what is far older than the offline horizon so the sets stay small.
+    client.zremrangebyscore(key("seen"), "-inf", now - 86400)
+    client.zremrangebyscore(key("gone"), "-inf", horizon)
+    return FlushResult(
+        seen=len(online), came_online=[str(d) for d in came_online], went_offline=[str(d) for d in went_offline]
+    )
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _apply_online(rows: list[tuple]) -> list[str]:
+    """One UPDATE ... FROM (VALUES ...) per batch; returns the ids that were offline before."""
+    came_online: list[str] = []
+    if not rows:
+        return came_online
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), 2000):
+            batch = rows[start : start + 2000]
+            values = ",".join(
+                ["(%s::uuid, to_timestamp(%s), %s::float8, %s::boolean, %s::int, %s::jsonb)"] * len(batch)
+            )
+            params = [item for row in batch for item in row]
+            cursor.execute(
+                f"""
+                WITH incoming(id, seen, battery, charging, free_mb, metrics) AS (VALUES {values}),
+                before AS (
+                    SELECT d.id, d.online FROM devices_device d JOIN incoming i ON i.id = d.id FOR UPDATE OF d
+                )
+                UPDATE devices_device d
+                   SET online = true,
+                       last_seen_at = GREATEST(COALESCE(d.last_seen_at, i.seen), i.seen),
+                       battery_percent = COALESCE(i.battery, d.battery_percent),
+                       charging = COALESCE(i.charging, d.charging),
+                       free_memory_mb = COALESCE(i.free_mb, d.free_memory_mb),
+                       local_metrics = CASE WHEN i.metrics = '{{}}'::jsonb THEN d.local_metrics ELSE i.metrics END
+                  FROM incoming i JOIN before b ON b.id = i.id
+                 WHERE d.id = i.id
+             RETURNING d.id, b.online
+                """,  # noqa: S608  (only placeholders are interpolated)
+                params,
+            )
+            came_online.extend(str(device_id) for device_id, was_online in cursor.fetchall() if not was_online)
+    return came_online

@@ -1,0 +1,152 @@
+"""Applying what the server assigns: verify the manifest, fetch and verify the bytes, swap atomically,
+keep the previous version to fall back to, and report the outcome (with guard metrics) to the server.
+
+On disk, under the agent home::
+
+    base/<sha256>.safetensors            the base weights this device carries
+    adapters/<adapter>/v<n>-<sha8>.safetensors
+    adapters/state.json                  {last_seq, base_model_sha256, current, previous}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from edge_agent.download import DownloadError, download
+from edge_agent.identity import AgentState, atomic_write
+from edge_agent.manifest import ManifestRefused, verify_manifest
+from edge_agent.rest import DeviceSession, ServerError
+
+logger = logging.getLogger("edge_agent.assignments")
+# Evaluates an adapter file on local validation data, returning metrics such as {"val_accuracy": 0.93}.
+Evaluator = Callable[[Path | None, Path], dict]
+
+
+class AdapterStore:
+    def __init__(self, home: Path):
+        self.root = home / "adapters"
+        self.base_root = home / "base"
+        self.state_path = self.root / "state.json"
+
+    def state(self) -> dict:
+        if self.state_path.exists():
+            return json.loads(self.state_path.read_text())
+        return {"last_seq": 0, "base_model_sha256": None, "current": None, "previous": None}
+
+    def save(self, state: dict) -> None:
+        atomic_write(self.state_path, json.dumps(state, indent=2).encode(), mode=0o600)
+
+    def current_path(self) -> Path | None:
+        current = self.state().get("current")
+        return Path(current["path"]) if current else None
+
+    def base_path(self, sha256: str) -> Path:
+        return self.base_root / f"{sha256}.safetensors"
+
+
+class AssignmentHandler:
+    """Handles the ``assignment`` command; returns what it did (also sent back as the command's ack)."""
+
+    def __init__(self, *, home: Path, state: AgentState, session: DeviceSession, evaluate: Evaluator | None = None):
+        self.home, self.state, self.session = home, state, session
+        self.store = AdapterStore(home)
+        self.evaluate = evaluate
+
+    async def __call__(self, command: str, args: dict) -> dict:
+        if command != "assignment":
+            raise ValueError(f"unknown command {command!r}")
+        import asyncio
+
+        return await asyncio.to_thread(self.apply, args)
+
+    def _report(self, assignment_id, status: str, reason: str = "", metrics: dict | None = None) -> None:
+        try:
+            self.session.post(
+                f"/api/v1/device/assignments/{assignment_id}/report/",
+                {"status": status, "reason": reason[:300], "metrics": metrics or {}},
+            )
+        except (ServerError, OSError) as error:
+            logger.warning("could not report %s for assignment %s: %s", status, assignment_id, error)
+
+    def apply(self, message: dict) -> dict:
+        assignment_id = message.get("assignment_id")
+        stored = self.store.state()
+        # The base this device carries is pinned by the first manifest it accepts (signed by the pinned key).
+        envelope = message.get("envelope")
+        manifest_base = (
+            (envelope or {}).get("manifest", {}).get("base_model_sha256") if isinstance(envelope, dict) else None
+        )
+        carried_base = stored.get("base_model_sha256") or manifest_base or ""
+        try:
+            manifest = verify_manifest(
+                envelope,
+                server_public_key=self.state.server_public_key,
+                device_id=self.state.device_id,
+                base_model_sha256=carried_base,
+                last_accepted_seq=int(stored.get("last_seq", 0)),
+                now=time.time(),
+            )
+        except ManifestRefused as refused:
+            logger.warning("refused assignment %s: %s (%s)", assignment_id, refused, refused.code)
+            self._report(assignment_id, "failed", f"refused: {refused.code}: {refused}")
+            return {"status": "refused", "code": refused.code}
+        self._report(assignment_id, "delivered")
+        try:
+            base = message.get("base_model") or {}
+            base_file = self.store.base_path(manifest["base_model_sha256"])
+            if not base_file.exists():
+                download(
+                    self.session.server + base["download_path"],
+                    base_file,
+                    sha256=manifest["base_model_sha256"],
+                    size=int(base["size"]),
+                    headers=self.session.auth_headers(),
+                )
+            target = (
+                self.store.root / manifest["adapter"] / f"v{manifest['version']}-{manifest['sha256'][:8]}.safetensors"
+            )
+            if not target.exists():
+                download(
+                    self.session.server + message["download_path"],
+                    target,
+                    sha256=manifest["sha256"],
+                    size=manifest["size"],
+                    headers=self.session.auth_headers(),
+                )
+        except (ManifestRefused, DownloadError, ServerError, OSError, KeyError, TypeError, ValueError) as error:
+            code = getattr(error, "code", type(error).__name__)
+            self._report(assignment_id, "failed", f"download failed: {code}: {error}")
+            return {"status": "failed", "code": code}
+
+        previous = stored.get("current")
+        metrics = {}
+        if self.evaluate is not None:
+            try:
+                metrics = self.evaluate(Path(previous["path"]) if previous else None, target) or {}
+            except Exception as error:  # a broken evaluation must not brick the device: report it
+                self._report(assignment_id, "failed", f"evaluation failed: {type(error).__name__}: {error}")
+                return {"status": "failed", "code": "evaluation_failed"}
+        # The swap: one atomic write of the state file; the previous file stays for falling back.
+        self.store.save(
+            {
+                "last_seq": manifest["assignment_seq"],
+                "base_model_sha256": manifest["base_model_sha256"],
+                "current": {
+                    "adapter": manifest["adapter"],
+                    "version": manifest["version"],
+                    "sha256": manifest["sha256"],
+                    "path": str(target),
+                    "installed_at": time.time(),
+                },
+                "previous": previous,
+            }
+        )
+        self._report(assignment_id, "installed", metrics=metrics)
+        logger.info(
+            "installed %s v%s (assignment %s)", manifest["adapter"], manifest["version"], manifest["assignment_seq"]
+        )
+        return {"status": "installed", "version": manifest["version"]}

@@ -1,0 +1,122 @@
+"""The agent <-> server wire protocol, defined once here and imported by the server.
+
+Documented for humans in ``edge_agent/PROTOCOL.md``. Messages are JSON objects with a ``type``. Binary
+values (nonces, keys, signatures) are base64url without padding. Everything a device signs is the
+canonical JSON (sorted keys, no spaces, UTF-8) of a dict that names its purpose, so a signature made for
+one purpose can never be replayed as another.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+PROTOCOL_VERSION = 1
+AGENT_WS_PATH = "/ws/agent/"
+
+# Limits the server enforces; the agent keeps to them.
+MAX_MESSAGE_BYTES_BEFORE_AUTH = 4 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024
+HELLO_TIMEOUT_SECONDS = 10
+
+
+class MessageType:
+    CHALLENGE = "challenge"  # server -> agent, first message: {nonce, protocol, server_time}
+    HELLO = "hello"  # agent -> server: {device_id, signature, agent_version, hardware}
+    WELCOME = "welcome"  # server -> agent: {device_id, status, heartbeat_interval, server_time}
+    HEARTBEAT = "heartbeat"  # agent -> server: {seq, battery, charging, free_memory_mb, metrics}
+    HEARTBEAT_ACK = "heartbeat_ack"  # server -> agent: {seq, server_time}
+    COMMAND = "command"  # server -> agent: {id, command, args}
+    ACK = "ack"  # agent -> server: {id, ok, detail}
+    ERROR = "error"  # server -> agent, before a close: {code, message}
+
+
+class CloseCode:
+    """WebSocket close codes (4000-4999 are the application's own)."""
+
+    MALFORMED = 4400  # not JSON, not an object, unknown type, missing or bad fields
+    AUTH_FAILED = 4401  # unknown device or a signature that does not verify
+    NOT_ALLOWED = 4403  # pending approval, quarantined or retired
+    HELLO_TIMEOUT = 4408  # no hello within HELLO_TIMEOUT_SECONDS
+    REPLACED = 4409  # the same device connected again elsewhere; the older socket is closed
+    TOO_LARGE = 4413  # a message above the size limit
+    SERVER_RESTART = 1012  # the server is restarting: reconnect with backoff
+
+    # Codes after which reconnecting as-is cannot succeed until something changes on the server.
+    WAIT_FOR_OPERATOR = frozenset({NOT_ALLOWED})
+
+
+def b64encode(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def b64decode(text: str) -> bytes:
+    if not isinstance(text, str) or len(text) > 4096:
+        raise ValueError("not a base64 string")
+    padded = text + "=" * (-len(text) % 4)
+    try:
+        return base64.urlsafe_b64decode(padded.encode("ascii"))
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise ValueError("not a base64 string") from exc
+
+
+def canonical_json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def hello_payload(*, nonce: str, device_id: str) -> dict[str, Any]:
+    """What a device signs to answer a WebSocket challenge."""
+    return {"purpose": "agent-hello", "nonce": nonce, "device_id": device_id, "protocol": PROTOCOL_VERSION}
+
+
+def token_request_payload(*, nonce: str, device_id: str) -> dict[str, Any]:
+    """What a device signs to exchange a REST challenge for a short-lived API token."""
+    return {"purpose": "device-token", "nonce": nonce, "device_id": device_id, "protocol": PROTOCOL_VERSION}
+
+
+def sign(private_key: Ed25519PrivateKey, payload: dict[str, Any]) -> str:
+    return b64encode(private_key.sign(canonical_json(payload)))
+
+
+def public_key_from_b64(text: str) -> Ed25519PublicKey:
+    raw = b64decode(text)
+    if len(raw) != 32:
+        raise ValueError("an Ed25519 public key is 32 bytes")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def verify(public_key: Ed25519PublicKey, payload: dict[str, Any], signature: str) -> bool:
+    try:
+        raw = b64decode(signature)
+    except ValueError:
+        return False
+    if len(raw) != 64:
+        return False
+    try:
+        public_key.verify(raw, canonical_json(payload))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def encode(message_type: str, **fields: Any) -> str:
+    return json.dumps({"type": message_type, **fields}, separators=(",", ":"), allow_nan=False)
+
+
+def decode(text: str | bytes, *, limit: int) -> dict[str, Any]:
+    """Parse one message; raises ValueError with a short reason for anything malformed."""
+    if isinstance(text, bytes):
+        raise ValueError("binary frames are not accepted here")
+    if len(text) > limit:
+        raise OverflowError(f"message of {len(text)} bytes exceeds the {limit}-byte limit")
+    try:
+        message = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError("not valid JSON") from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ValueError("a message must be a JSON object with a string 'type'")
+    return message

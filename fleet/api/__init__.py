@@ -1,0 +1,1 @@
+"""Shared REST API machinery: error bodies, pagination, the /api/v1/ router."""

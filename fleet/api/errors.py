@@ -1,0 +1,83 @@
+"""One error body for every API failure: ``{"error": {"code", "message", "details"}}``.
+
+``code`` is stable and machine-readable, ``message`` is for people, ``details`` carries field errors or
+context. Clients never have to guess between DRF's several default shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404, JsonResponse
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+
+
+class ApiError(exceptions.APIException):
+    """A domain error raised by a service, carrying its own stable code and HTTP status."""
+
+    def __init__(self, code: str, message: str, *, status_code: int = 400, details: Any = None):
+        super().__init__(detail=message, code=code)
+        self.status_code = status_code
+        self.error_code = code
+        self.message = message
+        self.details = details or {}
+
+
+def error_body(code: str, message: str, details: Any = None) -> dict:
+    return {"error": {"code": code, "message": message, "details": details or {}}}
+
+
+_MESSAGES = {
+    "not_authenticated": "Authentication required: sign in or send an API token (Authorization: Bearer ...).",
+    "authentication_failed": "The credentials were not accepted.",
+    "permission_denied": "Your role does not allow this action.",
+    "not_found": "No such resource.",
+    "method_not_allowed": "This method is not allowed here.",
+    "throttled": "Too many requests; slow down.",
+}
+
+
+def exception_handler(exc: Exception, context: dict) -> Response | None:
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+
+    from rest_framework.views import exception_handler as drf_exception_handler  # DRF imports settings late
+
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+
+    if isinstance(exc, ApiError):
+        response.data = error_body(exc.error_code, exc.message, exc.details)
+        return response
+    if isinstance(exc, exceptions.ValidationError):
+        response.data = error_body("invalid", "The request has invalid fields.", exc.detail)
+        return response
+
+    code = exc.get_codes() if isinstance(exc, exceptions.APIException) else "error"
+    if not isinstance(code, str):
+        code = "error"
+    detail = getattr(exc, "detail", "")
+    # DRF's stock sentences give way to ours; a specific reason (a CSRF failure, a revoked token) is kept.
+    specific = isinstance(detail, str) and detail and str(detail) != str(type(exc).default_detail)
+    message = str(detail) if specific else _MESSAGES.get(code, "The request failed.")
+    details: dict = {}
+    if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
+        details["retry_after_seconds"] = int(exc.wait)
+    response.data = error_body(code, message, details)
+    return response
+
+
+def json_not_found(request, exception=None) -> JsonResponse:
+    return JsonResponse(error_body("not_found", _MESSAGES["not_found"]), status=status.HTTP_404_NOT_FOUND)
+
+
+def json_server_error(request) -> JsonResponse:
+    return JsonResponse(
+        error_body("server_error", "The server failed to handle this request; it has been logged."),
+        status=status.HTTP_500_INTERNAL_SERVER_ERROR,
+    )

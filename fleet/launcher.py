@@ -1,0 +1,298 @@
+"""One command for the whole product: services, migrations, demo login, web + worker + beat, supervised.
+
+    python -m fleet.launcher run [--port 8000]     # what `make run` does
+    python -m fleet.launcher exec -- CMD ...       # run CMD with the services up (what `make test` does)
+
+Without DATABASE_URL / REDIS_URL it starts embedded PostgreSQL and Redis in FLEET_DATA_DIR (default
+./.data); with them it uses those servers. Ctrl-C (or SIGTERM) stops the processes, then the services.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from fleet.devstack import Services, start_services
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("fleet.launcher")
+
+
+def _say(message: str) -> None:
+    print(f"[fleet] {message}", flush=True)
+
+
+def _data_dir() -> Path:
+    return Path(os.environ.get("FLEET_DATA_DIR") or BASE_DIR / ".data").resolve()
+
+
+def _development_secret(data_dir: Path) -> str:
+    """A per-installation secret kept in the data folder, so sessions survive restarts; never in the repo."""
+    path = data_dir / "secret_key"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(50))
+    return path.read_text().strip()
+
+
+def _child_env(services: Services, data_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["DATABASE_URL"] = services.database_url
+    env["REDIS_URL"] = services.redis_url
+    env["FLEET_DATA_DIR"] = str(data_dir)
+    env.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
+    if not env.get("SECRET_KEY") and not env.get("SECRET_KEY_FILE"):
+        env["SECRET_KEY"] = _development_secret(data_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Supervisor:
+    """Runs named child processes, prefixes their output, and stops all of them together."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stopping = threading.Event()
+
+    def start(self, name: str, argv: list[str]) -> None:
+        process = subprocess.Popen(
+            argv,
+            cwd=BASE_DIR,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # signals come from us, in order, not from the terminal
+        )
+        self.children[name] = process
+        threading.Thread(target=self._pump, args=(name, process), daemon=True).start()
+
+    def _pump(self, name: str, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            sys.stdout.write(f"{name:>6} | {line}")
+        sys.stdout.flush()
+
+    def wait(self) -> int:
+        """Block until a child dies or we are asked to stop; returns the exit code for the launcher."""
+        while not self.stopping.is_set():
+            for name, process in self.children.items():
+                code = process.poll()
+                if code is not None:
+                    _say(f"{name} exited with code {code}; stopping everything")
+                    return code or 1
+            self.stopping.wait(0.5)
+        return 0
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for process in self.children.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, process in self.children.items():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _say(f"{name} did not stop in {timeout:.0f}s; killing it")
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _wait_ready(url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=3) as response:  # noqa: S310  (our own http URL)
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _manage(env: dict[str, str], *args: str) -> str:
+    result = subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout + result.stderr)
+        raise SystemExit(f"[fleet] manage.py {' '.join(args)} failed (exit {result.returncode})")
+    return result.stdout
+
+
+def _install_signal_handlers(on_stop) -> None:
+    def handler(signum, frame):
+        on_stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _raise_open_file_limit() -> None:
+    """Every agent socket is a file descriptor; the usual soft limit of 1,024 caps the fleet far too low."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (min(hard, 1_048_576) if hard != resource.RLIM_INFINITY else 1_048_576, hard)
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    _raise_open_file_limit()
+    data_dir = _data_dir()
+    started = time.monotonic()
+    _say(f"data folder: {data_dir}")
+    services = start_services(data_dir)
+    for name, variable in (("postgres", "DATABASE_URL"), ("redis", "REDIS_URL")):
+        origin = "embedded, in the data folder" if name in services.embedded else f"from {variable}"
+        _say(f"{name}: {origin}")
+    supervisor: Supervisor | None = None
+    try:
+        env = _child_env(services, data_dir)
+        metrics_dir = data_dir / "prometheus"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+
+        _say("applying migrations")
+        _manage(env, "migrate", "--noinput")
+        username, password = _manage(env, "ensure_demo_operator").split()[-2:]
+
+        supervisor = Supervisor(env)
+        _install_signal_handlers(supervisor.stopping.set)
+        python = sys.executable
+        supervisor.start(
+            "web",
+            [
+                python,
+                "-m",
+                "uvicorn",
+                "fleet.asgi:application",
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--workers",
+                str(args.web_workers),
+                "--ws",
+                "wsproto",
+                "--loop",
+                "uvloop",
+                "--http",
+                "httptools",
+                "--lifespan",
+                "off",
+                "--no-access-log",
+                "--timeout-graceful-shutdown",
+                "10",
+            ],
+        )
+        supervisor.start(
+            "worker",
+            [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "fleet",
+                "worker",
+                "--loglevel",
+                "INFO",
+                "--concurrency",
+                str(args.worker_concurrency),
+                "--hostname",
+                "worker@%h",
+                # Mingle and gossip sync worker state we do not use; skipping them saves a second at start.
+                "--without-mingle",
+                "--without-gossip",
+            ],
+        )
+        supervisor.start(
+            "beat",
+            [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "fleet",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(data_dir / "celerybeat-schedule"),
+            ],
+        )
+        local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # noqa: S104
+        base = f"http://{local_host}:{args.port}"
+        if _wait_ready(f"{base}/readyz", timeout=args.ready_timeout):
+            _say(f"ready in {time.monotonic() - started:.1f}s")
+            _say(f"dashboard:  {base}/   sign in as {username} / {password}")
+            _say(f"API docs:   {base}/api/docs/")
+            _say(f"readiness:  {base}/readyz")
+            _say("press Ctrl-C to stop")
+        elif not supervisor.stopping.is_set():
+            _say(f"not ready after {args.ready_timeout:.0f}s; see {base}/readyz and the output above")
+        return supervisor.wait()
+    finally:
+        _say("stopping")
+        if supervisor is not None:
+            supervisor.stop()
+        services.stop()
+        _say("stopped")
+
+
+def exec_command(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("usage: python -m fleet.launcher exec -- COMMAND [ARGS...]")
+    data_dir = _data_dir()
+    services = start_services(data_dir)
+    try:
+        env = _child_env(services, data_dir)
+        process = subprocess.Popen(command, env=env, cwd=BASE_DIR)
+        signal.signal(signal.SIGTERM, lambda *_: process.terminate())
+        while True:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:
+                continue  # the child got the same Ctrl-C; wait for it to finish
+    finally:
+        services.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="[fleet] %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m fleet.launcher")
+    commands = parser.add_subparsers(dest="action", required=True)
+    cpus = os.cpu_count() or 1
+
+    run_parser = commands.add_parser("run", help="run the whole product")
+    run_parser.add_argument("--host", default=os.environ.get("FLEET_HOST", "127.0.0.1"))
+    run_parser.add_argument("--port", type=int, default=int(os.environ.get("FLEET_PORT", "8000")))
+    run_parser.add_argument("--web-workers", type=int, default=int(os.environ.get("WEB_CONCURRENCY", min(cpus, 2))))
+    run_parser.add_argument(
+        "--worker-concurrency", type=int, default=int(os.environ.get("WORKER_CONCURRENCY", min(cpus, 2)))
+    )
+    run_parser.add_argument("--ready-timeout", type=float, default=120.0)
+
+    exec_parser = commands.add_parser("exec", help="run a command with DATABASE_URL and REDIS_URL provided")
+    exec_parser.add_argument("command", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    return run(args) if args.action == "run" else exec_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Settings for the fleet personalization manager, read only from the environment.
+
+``FLEET_ENV`` picks the profile: ``development`` (the default, used by the launcher and the tests) or
+``production`` (what the compose stack runs). Production refuses to start without a real ``SECRET_KEY``,
+with ``DEBUG`` on, or without ``ALLOWED_HOSTS``; ``manage.py check --deploy`` is clean with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from fleet.env import (
+    database_from_url,
+    env_bool,
+    env_int,
+    env_list,
+    env_secret,
+    env_str,
+    redis_url,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+FLEET_ENV = env_str("FLEET_ENV", "development", choices=("development", "production"))
+PRODUCTION = FLEET_ENV == "production"
+
+# Only used when FLEET_ENV=development and no SECRET_KEY is given; production refuses it.
+_DEVELOPMENT_SECRET_KEY = "development-only-insecure-key-never-use-in-production-0123456789"  # noqa: S105
+
+SECRET_KEY = env_secret("SECRET_KEY") or ("" if PRODUCTION else _DEVELOPMENT_SECRET_KEY)
+if PRODUCTION:
+    if not SECRET_KEY:
+        raise ImproperlyConfigured("SECRET_KEY (or SECRET_KEY_FILE) must be set when FLEET_ENV=production")
+    if SECRET_KEY == _DEVELOPMENT_SECRET_KEY:
+        raise ImproperlyConfigured("SECRET_KEY is the development default; set a real secret for production")
+    if len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5:
+        raise ImproperlyConfigured("SECRET_KEY is too weak for production: use at least 50 random characters")
+
+DEBUG = env_bool("DEBUG", not PRODUCTION)
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured("DEBUG=true is refused when FLEET_ENV=production")
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", [] if PRODUCTION else ["localhost", "127.0.0.1", "[::1]", "testserver"])
+if PRODUCTION and not ALLOWED_HOSTS:
+    raise ImproperlyConfigured("ALLOWED_HOSTS must list the host names the server answers to in production")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+DATA_DIR = Path(env_str("FLEET_DATA_DIR", str(BASE_DIR / ".data"))).resolve()
+
+# --- services ---------------------------------------------------------------------------------------------
+
+_database_url = env_secret("DATABASE_URL")
+if not _database_url:
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not set. Start through the launcher (`make run`, or "
+        "`python -m fleet.launcher exec -- <command>`), which provides an embedded PostgreSQL, "
+        "or point it at a server: DATABASE_URL=postgresql://user:password@host:5432/fleet"
+    )
+DATABASES = {"default": database_from_url("DATABASE_URL", _database_url)}
+DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+
+_redis_url = env_secret("REDIS_URL")
+if not _redis_url:
+    raise ImproperlyConfigured(
+        "REDIS_URL is not set. Start through the launcher (`make run`), which provides an embedded Redis, "
+        "or point it at a server: REDIS_URL=redis://host:6379/0"
+    )
+REDIS_URL = redis_url("REDIS_URL", _redis_url)
+# Namespaces every key this deployment writes to Redis (cache, channel layer, Celery control), so two
+# deployments or a test run can share one Redis server without seeing each other.
+REDIS_PREFIX = env_str("REDIS_PREFIX", "fleet")
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": REDIS_PREFIX,
+    }
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            "hosts": [REDIS_URL],
+            "prefix": f"{REDIS_PREFIX}:asgi",
+            "capacity": env_int("CHANNEL_LAYER_CAPACITY", 1000, minimum=10),
+            "expiry": 60,
+        },
+    }
+}
+
+# --- Celery (read by fleet/celery.py through the CELERY_ namespace) ----------------------------------------
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = REDIS_URL
+CELERY_RESULT_EXPIRES = 24 * 3600
+CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "fleet")
+CELERY_CONTROL_EXCHANGE = f"{REDIS_PREFIX}.control"
+CELERY_EVENT_EXCHANGE = f"{REDIS_PREFIX}.events"
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 900, minimum=10)
+CELERY_TASK_SOFT_TIME_LIMIT = CELERY_TASK_TIME_LIMIT - 30 if CELERY_TASK_TIME_LIMIT > 60 else CELERY_TASK_TIME_LIMIT
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A task not acknowledged within this time is handed to another worker; longer than the task time limit.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": CELERY_TASK_TIME_LIMIT * 2,
+    "global_keyprefix": f"{REDIS_PREFIX}:",
+}
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BEAT_SCHEDULE = {
+    "beat-tick": {"task": "fleet.tasks.beat_tick", "schedule": 15.0, "options": {"expires": 14}},
+    "purge-expired-api-tokens": {"task": "accounts.tasks.purge_expired_api_tokens", "schedule": 3600.0},
+}
+
+# --- Django ---------------------------------------------------------------------------------------------
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "accounts",
+    "devices",
+    "training",
+    "frontend",
+]
+
+MIDDLEWARE = [
+    "fleet.metrics.RequestMetricsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "fleet.urls"
+ASGI_APPLICATION = "fleet.asgi.application"
+AUTH_USER_MODEL = "accounts.User"
+LOGIN_URL = "frontend:login"
+LOGIN_REDIRECT_URL = "frontend:overview"
+LOGOUT_REDIRECT_URL = "frontend:login"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "frontend.context.role",
+            ],
+        },
+    }
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+STATIC_URL = "/static/"
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "staticfiles")))
+WHITENOISE_USE_FINDERS = not PRODUCTION
+WHITENOISE_AUTOREFRESH = not PRODUCTION
+
+# --- blob storage: content-addressed artifacts (base weights, adapter versions, deltas) --------------------
+
+BLOB_STORAGE = env_str("BLOB_STORAGE", "filesystem", choices=("filesystem", "s3"))
+if BLOB_STORAGE == "s3":
+    _bucket = env_str("S3_BUCKET")
+    if not _bucket:
+        raise ImproperlyConfigured("BLOB_STORAGE=s3 needs S3_BUCKET")
+    _blobs = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": _bucket,
+            "endpoint_url": env_str("S3_ENDPOINT_URL"),
+            "region_name": env_str("S3_REGION"),
+            "access_key": env_secret("S3_ACCESS_KEY_ID"),
+            "secret_key": env_secret("S3_SECRET_ACCESS_KEY"),
+            "location": env_str("S3_PREFIX", "blobs"),
+            "default_acl": None,
+            "querystring_auth": True,
+            "file_overwrite": True,  # content-addressed: the same name always holds the same bytes
+        },
+    }
+else:
+    _blobs = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(Path(env_str("BLOB_ROOT", str(DATA_DIR / "blobs"))).resolve())},
+    }
+STORAGES = {
+    "default": _blobs,
+    "blobs": _blobs,
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        if PRODUCTION
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
+}
+
+# --- REST API ---------------------------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "accounts.authentication.ApiTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["accounts.permissions.RolePermission"],
+    "DEFAULT_PAGINATION_CLASS": "fleet.api.pagination.Pagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.SearchFilter",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "fleet.api.errors.exception_handler",
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
+    + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
+    "DEFAULT_THROTTLE_RATES": {"anon": "120/min", "user": "2000/min"},
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Fleet personalization manager API",
+    "DESCRIPTION": (
+        "Manage a fleet of edge devices that personalize a shared model on their own data: devices, "
+        "cohorts, enrollment, adapters and versions, rollouts, rounds and deltas. Authenticate with an "
+        "operator API token (`Authorization: Bearer fpm_...`) or a browser session."
+    ),
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+    "ENUM_NAME_OVERRIDES": {
+        "DeviceStatusEnum": "devices.models.DeviceStatus",
+        "AdapterVersionStateEnum": "training.models.AdapterVersion.State",
+        "RolloutStateEnum": "training.models.Rollout.State",
+        "AssignmentStateEnum": "training.models.Assignment.State",
+        "AssignmentReportStatusEnum": ["delivered", "installed", "failed"],
+    },
+}
+
+# --- security ---------------------------------------------------------------------------------------------
+
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+if PRODUCTION:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    # Probes and Prometheus scrape over plain HTTP inside the cluster.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31_536_000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", True)
+    if env_bool("BEHIND_TLS_PROXY", False):
+        SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# Bearer token Prometheus presents at /metrics; signed-in operators can always read it.
+METRICS_TOKEN = env_secret("METRICS_TOKEN")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {
+        # Replace Django's own handlers (which would print every line twice next to the root handler).
+        "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        "django.db.backends": {"level": "WARNING"},
+    },
+}
+
+# --- the fleet --------------------------------------------------------------------------------------------
+
+# Agents heartbeat at this interval (with jitter); a device silent for DEVICE_OFFLINE_AFTER_SECONDS is
+# offline. Presence reaches the database every PRESENCE_FLUSH_SECONDS, in bulk.
+HEARTBEAT_INTERVAL_SECONDS = env_int("HEARTBEAT_INTERVAL_SECONDS", 30, minimum=1)
+DEVICE_OFFLINE_AFTER_SECONDS = env_int("DEVICE_OFFLINE_AFTER_SECONDS", 95, minimum=2)
+PRESENCE_FLUSH_SECONDS = env_int("PRESENCE_FLUSH_SECONDS", 10, minimum=1)
+DEVICE_TOKEN_TTL_SECONDS = env_int("DEVICE_TOKEN_TTL_SECONDS", 900, minimum=30)
+ENROLLMENT_RATE = env_str("ENROLLMENT_RATE", "30/min")
+CELERY_BEAT_SCHEDULE["tick-rollouts"] = {
+    "task": "training.tasks.tick_rollouts",
+    "schedule": float(env_int("ROLLOUT_TICK_SECONDS", 10, minimum=1)),
+    "options": {"expires": 10},
+}
+CELERY_BEAT_SCHEDULE["flush-presence"] = {
+    "task": "devices.tasks.flush_presence",
+    "schedule": float(PRESENCE_FLUSH_SECONDS),
+    "options": {"expires": PRESENCE_FLUSH_SECONDS},
+}

@@ -1,0 +1,1 @@
+"""The operator dashboard: server-rendered pages and the live-update WebSocket."""

@@ -1,0 +1,41 @@
+"""The one place that pushes live events to open dashboards, over the Channels layer.
+
+Events are typed (``LiveEvent``) and carry the lowest role allowed to see them; the consumer re-checks it
+for every event. The layer drops messages when a client lags, so pages re-read state from the API after a
+reconnect instead of trusting that they saw every event.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.utils import timezone
+
+from accounts.roles import Role
+
+DASHBOARD_GROUP = "dashboard"
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LiveEvent:
+    kind: str  # e.g. "device.online", "delta.verified", "round.progress"
+    data: dict[str, Any]
+    min_role: str = Role.VIEWER.value
+    at: str = field(default_factory=lambda: timezone.now().isoformat())
+
+
+async def apublish(event: LiveEvent) -> None:
+    layer = get_channel_layer()
+    try:
+        await layer.group_send(DASHBOARD_GROUP, {"type": "live.event", **asdict(event)})
+    except Exception:  # live updates are best effort: never fail the work that produced them
+        logger.exception("could not publish live event %s", event.kind)
+
+
+def publish(event: LiveEvent) -> None:
+    async_to_sync(apublish)(event)

@@ -1,0 +1,86 @@
+"""Dashboard pages. Thin: authorize, call a service or selector, render."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth import logout
+from django.contrib.auth import views as auth_views
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from accounts.models import ApiToken, User
+from accounts.permissions import role_required
+from accounts.roles import Role, has_role
+from accounts.services import api_token_create, api_token_revoke, user_create, user_update
+from fleet.health import readiness
+from frontend.forms import ApiTokenForm, UserCreateForm
+
+
+class LoginView(auth_views.LoginView):
+    template_name = "frontend/login.html"
+    redirect_authenticated_user = True
+
+
+@require_POST
+def logout_view(request):
+    logout(request)
+    return redirect("frontend:login")
+
+
+@role_required(Role.VIEWER)
+def overview(request):
+    return render(
+        request,
+        "frontend/overview.html",
+        {"status": readiness(), "accounts": User.objects.active_counts_by_role()},
+    )
+
+
+@role_required(Role.VIEWER)
+def api_tokens(request):
+    tokens = ApiToken.objects.select_related("user")
+    if not has_role(request.user, Role.ADMIN):
+        tokens = tokens.filter(user=request.user)
+    form = ApiTokenForm(request.POST or None)
+    issued = None
+    if request.method == "POST" and form.is_valid():
+        issued = api_token_create(
+            user=request.user, name=form.cleaned_data["name"], expires_at=form.cleaned_data["expires_at"]
+        )
+        form = ApiTokenForm()
+    return render(request, "frontend/api_tokens.html", {"tokens": tokens[:200], "form": form, "issued": issued})
+
+
+@require_POST
+@role_required(Role.VIEWER)
+def api_token_revoke_view(request, pk: int):
+    tokens = ApiToken.objects.all() if has_role(request.user, Role.ADMIN) else request.user.api_tokens.all()
+    token = get_object_or_404(tokens, pk=pk)
+    api_token_revoke(token=token)
+    messages.success(request, f"Token {token} revoked.")
+    return redirect("frontend:api-tokens")
+
+
+@role_required(Role.ADMIN)
+def users(request):
+    form = UserCreateForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        user = user_create(**form.cleaned_data)
+        messages.success(request, f"Created {user.role} {user.username}.")
+        return redirect("frontend:users")
+    return render(request, "frontend/users.html", {"users": User.objects.order_by("username"), "form": form})
+
+
+@require_POST
+@role_required(Role.ADMIN)
+def user_role(request, pk: int):
+    user = get_object_or_404(User, pk=pk)
+    role = request.POST.get("role")
+    if role not in Role.values:
+        messages.error(request, "Unknown role.")
+    elif user == request.user:
+        messages.error(request, "You cannot change your own role; ask another admin.")
+    else:
+        user_update(user=user, role=role)
+        messages.success(request, f"{user.username} is now {role}.")
+    return redirect("frontend:users")

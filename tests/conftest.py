@@ -1,0 +1,207 @@
+"""Shared fixtures: users per role, API clients, and a real Celery worker process on the test database.
+
+The suite runs against real PostgreSQL and Redis (DATABASE_URL / REDIS_URL, provided by the launcher when
+not set). Every run namespaces its Redis keys, Celery queue and control exchange with a unique prefix, so a
+dev stack on the same Redis never steals the suite's tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.utils import timezone
+
+from edge_agent.identity import public_key_b64
+from fleet.pytest_plugin import RUN_ID
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _blob_storage(settings, tmp_path):
+    """Each test writes blobs into its own folder."""
+    storages = dict(settings.STORAGES)
+    storages["blobs"] = storages["default"] = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path / "blobs")},
+    }
+    settings.STORAGES = storages
+
+
+@pytest.fixture(autouse=True)
+def _generous_enrollment_rate(settings):
+    """Tests enroll many devices from one address; the rate-limit test sets its own low rate."""
+    from django.core.cache import cache
+
+    settings.ENROLLMENT_RATE = "100000/min"
+    cache.delete("throttle_enroll_127.0.0.1")  # never cache.clear(): that flushes the whole Redis database
+
+
+@pytest.fixture
+def make_user(db):
+    from accounts.services import user_create
+
+    def make(role: str = "viewer", username: str | None = None, password: str = "correct-horse-battery-9"):
+        return user_create(username=username or f"{role}-{uuid.uuid4().hex[:6]}", role=role, password=password)
+
+    return make
+
+
+@pytest.fixture
+def api_client_for(make_user):
+    """``api_client_for("operator")`` gives a DRF client authenticated with a real API token of that role."""
+    from rest_framework.test import APIClient
+
+    from accounts.services import api_token_create
+
+    def make(role: str | None):
+        client = APIClient()
+        if role is not None:
+            issued = api_token_create(user=make_user(role), name="test")
+            client.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.raw}")
+        return client
+
+    return make
+
+
+def _test_database_url() -> str:
+    from django.db import connection
+
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    return urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
+
+
+@pytest.fixture(scope="session")
+def celery_worker_process(django_db_setup, django_db_blocker):
+    """A real ``celery worker`` subprocess consuming this run's queue, connected to the test database.
+
+    Tests that use it must commit their rows (``transactional_db``) so the worker can see them.
+    """
+    env = dict(os.environ)
+    env["DATABASE_URL"] = _test_database_url()
+    env["DATABASE_CONN_MAX_AGE"] = "0"
+    log_path = ROOT / "tests" / "artifacts" / f"celery-worker-{RUN_ID}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "fleet",
+            "worker",
+            "--loglevel",
+            "INFO",
+            "--concurrency",
+            "2",
+            "--pool",
+            "prefork",
+            "--hostname",
+            f"test-{RUN_ID}@%h",
+            "--without-mingle",
+            "--without-gossip",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    from fleet.celery import app
+
+    deadline = time.monotonic() + 60
+    while not app.control.ping(timeout=0.5):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the Celery worker did not come up; see {log_path}:\n{log_path.read_text()[-3000:]}")
+    yield process
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+
+
+# --- the fleet: cohorts, enrollment tokens and enrolled devices with real keys -------------------------------
+
+
+@dataclass
+class EnrolledDevice:
+    device: object
+    key: Ed25519PrivateKey
+
+    @property
+    def id(self) -> str:
+        return str(self.device.pk)
+
+
+@pytest.fixture
+def cohort(db):
+    from devices.services import cohort_create
+
+    return cohort_create(name="eu-phones")
+
+
+@pytest.fixture
+def enrollment_token(cohort, make_user):
+    from devices.services import enrollment_token_create
+
+    def make(*, uses=5, requires_approval=False, expires_in=timedelta(hours=1)):
+        return enrollment_token_create(
+            cohort=cohort,
+            name="t",
+            expires_at=timezone.now() + expires_in,
+            uses=uses,
+            requires_approval=requires_approval,
+            created_by=make_user("admin"),
+        )
+
+    return make
+
+
+@pytest.fixture
+def enrolled(enrollment_token):
+    """``enrolled(status="active")`` enrolls a device with a fresh key through the real service."""
+    from devices.models import Device
+    from devices.services import device_enroll
+
+    def make(status: str = "active", name: str = "phone") -> EnrolledDevice:
+        key = Ed25519PrivateKey.generate()
+        issued = enrollment_token(requires_approval=status != "active")
+        device = device_enroll(token=issued.raw, public_key=public_key_b64(key), name=name)
+        if status not in ("active", "pending"):
+            Device.objects.filter(pk=device.pk).update(status=status)
+            device.refresh_from_db()
+        return EnrolledDevice(device=device, key=key)
+
+    return make
+
+
+# --- training: a base model and an adapter on it ----------------------------------------------------------
+
+
+@pytest.fixture
+def base_model(db, make_user):
+    from training.services import base_model_create
+
+    return base_model_create(
+        name="digits-base", family="digits-cnn", family_config={"seed": 1}, actor=make_user("admin")
+    )
+
+
+@pytest.fixture
+def adapter(base_model, make_user):
+    from training.services import adapter_create
+
+    return adapter_create(name="digits-lora", base_model=base_model, rank=4, alpha=8.0, actor=make_user("admin"))

@@ -1,0 +1,299 @@
+"""The agent socket through the full ASGI app and the real Redis channel layer."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from channels.testing import WebsocketCommunicator
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from devices import presence
+from devices.models import Device
+from edge_agent.protocol import CloseCode, encode, hello_payload, sign
+from fleet.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def open_socket() -> tuple[WebsocketCommunicator, dict]:
+    communicator = WebsocketCommunicator(application, "/ws/agent/")
+    connected, _ = await communicator.connect(timeout=5)
+    assert connected
+    challenge = await communicator.receive_json_from(timeout=5)
+    assert challenge["type"] == "challenge" and challenge["protocol"] == 1
+    return communicator, challenge
+
+
+async def hello(communicator, challenge, device_id: str, key: Ed25519PrivateKey, nonce: str | None = None):
+    signature = sign(key, hello_payload(nonce=nonce or challenge["nonce"], device_id=device_id))
+    await communicator.send_to(text_data=encode("hello", device_id=device_id, signature=signature, agent_version="9.9"))
+
+
+async def expect_refusal(communicator, close_code: int, error_code: str | None = None) -> dict:
+    error = await communicator.receive_json_from(timeout=5)
+    assert error["type"] == "error", error
+    if error_code:
+        assert error["code"] == error_code, error
+    closed = await communicator.receive_output(timeout=5)
+    assert closed == {"type": "websocket.close", "code": close_code}
+    return error
+
+
+def run(coroutine_function):
+    return async_to_sync(coroutine_function)()
+
+
+def test_active_device_authenticates_heartbeats_and_is_marked_online_by_the_batch_flush(enrolled):
+    device = enrolled("active")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        welcome = await communicator.receive_json_from(timeout=5)
+        assert welcome["type"] == "welcome" and welcome["device_id"] == device.id
+        await communicator.send_to(
+            text_data=encode(
+                "heartbeat", seq=1, battery=41.5, charging=False, free_memory_mb=900, metrics={"val_loss": 0.3}
+            )
+        )
+        ack = await communicator.receive_json_from(timeout=5)
+        assert ack == {"type": "heartbeat_ack", "seq": 1, "server_time": ack["server_time"]}
+        # Nothing reached the database per heartbeat: presence is still only in Redis.
+        row = await sync_to_async(Device.objects.get)(pk=device.id)
+        assert row.online is False and row.last_seen_at is None and row.battery_percent is None
+        result = await sync_to_async(presence.flush_presence)()
+        assert device.id in result.came_online
+        row = await sync_to_async(Device.objects.get)(pk=device.id)
+        assert row.online and row.battery_percent == 41.5 and row.charging is False
+        assert row.free_memory_mb == 900 and row.local_metrics == {"val_loss": 0.3} and row.agent_version == "9.9"
+        await communicator.disconnect()
+        result = await sync_to_async(presence.flush_presence)()
+        assert result.went_offline == [device.id]
+
+    run(scenario)
+    kinds = list(Device.objects.get(pk=device.id).events.values_list("kind", flat=True))
+    assert kinds[:3] == ["offline", "online", "updated"]
+
+
+def test_a_signature_by_another_devices_key_is_refused(enrolled):
+    victim, attacker = enrolled("active", name="victim"), enrolled("active", name="attacker")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, victim.id, attacker.key)
+        await expect_refusal(communicator, CloseCode.AUTH_FAILED, "auth_failed")
+
+    run(scenario)
+    assert not Device.objects.get(pk=victim.id).online
+
+
+def test_a_replayed_challenge_answer_is_refused(enrolled):
+    device = enrolled("active")
+
+    async def scenario():
+        first, challenge = await open_socket()
+        old_nonce = challenge["nonce"]
+        await hello(first, challenge, device.id, device.key)
+        assert (await first.receive_json_from(timeout=5))["type"] == "welcome"
+        await first.disconnect()
+        # An eavesdropper replays the old answer on a new connection: the new nonce differs.
+        second, new_challenge = await open_socket()
+        assert new_challenge["nonce"] != old_nonce
+        await hello(second, new_challenge, device.id, device.key, nonce=old_nonce)
+        await expect_refusal(second, CloseCode.AUTH_FAILED, "auth_failed")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("status", "error_code"),
+    [("pending", "device_pending"), ("quarantined", "device_quarantined"), ("retired", "device_retired")],
+)
+def test_devices_that_may_not_sync_are_refused_with_a_clear_reason(enrolled, status, error_code):
+    device = enrolled(status)
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        error = await expect_refusal(communicator, CloseCode.NOT_ALLOWED, error_code)
+        assert status in error["message"] or "approve" in error["message"]
+
+    run(scenario)
+    assert async_to_sync(presence.current_channel)(device.id) is None
+
+
+def test_unknown_device_is_refused(enrolled):
+    key = Ed25519PrivateKey.generate()
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, "6a1c1c52-8f1e-4a43-9d7b-3c2f50a1e001", key)
+        await expect_refusal(communicator, CloseCode.AUTH_FAILED, "auth_failed")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("frame", "close_code"),
+    [
+        ({"text_data": "not json"}, CloseCode.MALFORMED),
+        ({"text_data": "[1, 2]"}, CloseCode.MALFORMED),
+        ({"text_data": json.dumps({"type": "heartbeat", "seq": 1})}, CloseCode.MALFORMED),
+        (
+            {"text_data": json.dumps({"type": "hello", "device_id": "not-a-uuid", "signature": "x"})},
+            CloseCode.MALFORMED,
+        ),
+        ({"text_data": json.dumps({"type": "hello", "device_id": None})}, CloseCode.MALFORMED),
+        ({"bytes_data": b"\x00\x01"}, CloseCode.MALFORMED),
+        ({"text_data": json.dumps({"type": "hello", "pad": "x" * 5000})}, CloseCode.TOO_LARGE),
+    ],
+    ids=["not-json", "not-object", "heartbeat-before-hello", "bad-uuid", "null-id", "binary", "oversized"],
+)
+def test_malformed_and_oversized_messages_before_hello_close_the_socket(frame, close_code):
+    async def scenario():
+        communicator, _ = await open_socket()
+        await communicator.send_to(**frame)
+        await expect_refusal(communicator, close_code)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "heartbeat",
+    [
+        '{"type":"heartbeat","seq":1,"battery":NaN}',
+        '{"type":"heartbeat","seq":1,"battery":250}',
+        '{"type":"heartbeat","seq":-1}',
+        '{"type":"heartbeat","seq":1,"metrics":{"loss":Infinity}}',
+        '{"type":"heartbeat","seq":1,"charging":"yes"}',
+        '{"type":"launch_missiles"}',
+    ],
+)
+def test_bad_heartbeats_close_the_socket_and_record_nothing(enrolled, heartbeat):
+    device = enrolled("active")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_to(text_data=heartbeat)
+        await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
+
+    run(scenario)
+    assert presence.sync_client().hget(presence.key("state"), device.id) is None
+
+
+def test_an_oversized_message_after_hello_is_refused(enrolled):
+    device = enrolled("active")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_to(text_data=encode("heartbeat", seq=1, pad="x" * 70_000))
+        await expect_refusal(communicator, CloseCode.TOO_LARGE, "too_large")
+
+    run(scenario)
+
+
+def test_no_hello_in_time_closes_the_socket(monkeypatch):
+    import devices.consumers
+
+    monkeypatch.setattr(devices.consumers, "HELLO_TIMEOUT_SECONDS", 0.3)
+
+    async def scenario():
+        communicator, _ = await open_socket()
+        await expect_refusal(communicator, CloseCode.HELLO_TIMEOUT, "hello_timeout")
+
+    run(scenario)
+
+
+def test_quarantining_a_connected_device_closes_its_socket_and_records_who(enrolled, make_user):
+    from devices.services import device_transition
+
+    device = enrolled("active")
+    operator = make_user("operator")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        await communicator.receive_json_from(timeout=5)
+        await sync_to_async(device_transition)(device=device.device, action="quarantine", actor=operator)
+        error = await expect_refusal(communicator, CloseCode.NOT_ALLOWED, "closed_by_server")
+        assert "quarantined" in error["message"]
+
+    run(scenario)
+    event = Device.objects.get(pk=device.id).events.get(kind="quarantined")
+    assert event.actor == operator and event.actor_label == operator.username
+
+
+def test_a_second_connection_of_the_same_device_replaces_the_first(enrolled):
+    device = enrolled("active")
+
+    async def scenario():
+        first, challenge = await open_socket()
+        await hello(first, challenge, device.id, device.key)
+        await first.receive_json_from(timeout=5)
+        second, challenge2 = await open_socket()
+        await hello(second, challenge2, device.id, device.key)
+        assert (await second.receive_json_from(timeout=5))["type"] == "welcome"
+        await expect_refusal(first, CloseCode.REPLACED, "closed_by_server")
+        await second.send_to(text_data=encode("heartbeat", seq=7))
+        assert (await second.receive_json_from(timeout=5))["seq"] == 7
+        await second.disconnect()
+
+    run(scenario)
+
+
+def test_a_device_silent_past_the_timeout_goes_offline_without_a_clean_disconnect(enrolled, settings):
+    device = enrolled("active")
+    presence.sync_client().zadd(presence.key("seen"), {device.id: time.time()})
+    assert device.id in presence.flush_presence().came_online
+    settings.DEVICE_OFFLINE_AFTER_SECONDS = 5
+    # The server process holding the socket died: nothing refreshes the device any more.
+    result = presence.flush_presence(now=time.time() + 6)
+    assert result.went_offline == [device.id]
+    assert presence.flush_presence(now=time.time() + 7).went_offline == []  # idempotent
+    assert Device.objects.get(pk=device.id).online is False
+
+
+def test_a_command_pushed_from_server_code_reaches_the_device_and_offline_devices_miss_it(enrolled):
+    from devices.push import adevice_send
+
+    device, offline = enrolled("active"), enrolled("active", name="offline")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        await communicator.receive_json_from(timeout=5)
+        message = {"type": "device.command", "id": "c-1", "command": "sync_now", "args": {"why": "test"}}
+        assert await adevice_send(device.id, message) is True
+        command = await communicator.receive_json_from(timeout=5)
+        assert command == {"type": "command", "id": "c-1", "command": "sync_now", "args": {"why": "test"}}
+        await communicator.send_to(text_data=encode("ack", id="c-1", ok=True, detail=None))
+        assert await adevice_send(offline.id, message) is False
+        await communicator.send_to(text_data=encode("heartbeat", seq=2))
+        assert (await communicator.receive_json_from(timeout=5))["seq"] == 2  # the ack did not upset the socket
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_a_wrong_key_for_a_known_device_leaves_one_auth_failed_event(enrolled):
+    victim, attacker = enrolled("active", name="victim"), enrolled("active", name="attacker")
+
+    async def scenario():
+        for _ in range(3):
+            communicator, challenge = await open_socket()
+            await hello(communicator, challenge, victim.id, attacker.key)
+            await expect_refusal(communicator, CloseCode.AUTH_FAILED, "auth_failed")
+
+    from django.core.cache import cache
+
+    cache.delete(f"devauth:failed:{victim.id}")
+    run(scenario)
+    events = Device.objects.get(pk=victim.id).events.filter(kind="auth_failed")
+    assert events.count() == 1  # rate-limited, so an attacker cannot flood the event log

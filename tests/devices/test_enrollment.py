@@ -1,0 +1,125 @@
+"""Enrollment over the real API: the happy path and every refusal, each changing nothing."""
+
+from datetime import timedelta
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from devices.models import Device, DeviceEvent, EnrollmentToken
+from devices.services import enrollment_token_revoke
+from edge_agent.identity import public_key_b64
+from fleet.server_key import server_public_key_b64
+
+
+def enroll(token: str, key=None, **extra):
+    key = key or Ed25519PrivateKey.generate()
+    body = {"token": token, "public_key": public_key_b64(key), "name": "phone-1", **extra}
+    return APIClient().post("/api/v1/enroll/", body, format="json")
+
+
+@pytest.mark.django_db
+def test_pre_authorized_token_enrolls_an_active_device_and_returns_the_server_key_to_pin(enrollment_token):
+    issued = enrollment_token(uses=2, requires_approval=False)
+    response = enroll(issued.raw, hardware={"ram_mb": 2048, "os": "Linux"}, labels={"site": "lab"})
+    assert response.status_code == 201, response.content
+    body = response.json()
+    device = Device.objects.get(pk=body["device_id"])
+    assert device.status == "active" and body["status"] == "active"
+    assert body["server_public_key"] == server_public_key_b64()
+    assert body["websocket_path"] == "/ws/agent/"
+    assert device.labels == {"site": "lab"} and device.hardware["ram_mb"] == 2048
+    assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 1
+    assert list(device.events.values_list("kind", flat=True)) == ["enrolled"]
+
+
+@pytest.mark.django_db
+def test_approval_token_enrolls_a_pending_device(enrollment_token):
+    response = enroll(enrollment_token(requires_approval=True).raw)
+    assert response.status_code == 201
+    assert response.json()["status"] == "pending"
+
+
+def _refusal(response, code: str, status: int):
+    assert response.status_code == status, response.content
+    assert response.json()["error"]["code"] == code
+    return response.json()["error"]["message"]
+
+
+@pytest.mark.django_db
+def test_unknown_expired_revoked_and_used_up_tokens_are_refused_and_change_nothing(enrollment_token):
+    expired = enrollment_token(expires_in=timedelta(seconds=-1))
+    revoked = enrollment_token()
+    enrollment_token_revoke(token=revoked.token)
+    used_up = enrollment_token(uses=1)
+    assert enroll(used_up.raw).status_code == 201
+    before = (Device.objects.count(), DeviceEvent.objects.count())
+
+    assert "Unknown" in _refusal(enroll("fet_nonsense"), "enrollment_token_invalid", 401)
+    assert "expired" in _refusal(enroll(expired.raw), "enrollment_token_expired", 401)
+    assert "revoked" in _refusal(enroll(revoked.raw), "enrollment_token_revoked", 401)
+    assert "no uses left" in _refusal(enroll(used_up.raw), "enrollment_token_used_up", 401)
+
+    assert (Device.objects.count(), DeviceEvent.objects.count()) == before
+    assert EnrollmentToken.objects.get(pk=used_up.token.pk).uses_left == 0
+
+
+@pytest.mark.django_db
+def test_a_bad_or_reused_public_key_is_refused_without_spending_a_use(enrollment_token):
+    issued = enrollment_token(uses=3)
+    key = Ed25519PrivateKey.generate()
+    assert enroll(issued.raw, key=key).status_code == 201
+    _refusal(enroll(issued.raw, key=key), "device_key_exists", 409)
+    response = APIClient().post(
+        "/api/v1/enroll/", {"token": issued.raw, "public_key": "AAAA", "name": "x"}, format="json"
+    )
+    _refusal(response, "invalid_public_key", 400)
+    assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 2
+    assert Device.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_malformed_enrollment_bodies_get_field_errors(enrollment_token):
+    issued = enrollment_token()
+    response = APIClient().post(
+        "/api/v1/enroll/", {"token": issued.raw, "name": "x" * 500, "labels": "nope"}, format="json"
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid"
+    assert {"public_key", "name", "labels"} <= set(error["details"])
+    assert APIClient().post("/api/v1/enroll/", "not json", content_type="application/json").status_code == 400
+
+
+@pytest.mark.django_db
+def test_enrollment_is_rate_limited_per_client(enrollment_token, settings):
+    settings.ENROLLMENT_RATE = "3/min"
+    statuses = [enroll("fet_nonsense").status_code for _ in range(4)]
+    assert statuses == [401, 401, 401, 429]
+    response = enroll(enrollment_token().raw)
+    assert response.status_code == 429
+    assert response.json()["error"]["details"]["retry_after_seconds"] > 0
+
+
+@pytest.mark.django_db
+def test_admin_creates_a_token_shown_once_and_only_admins_may(api_client_for, cohort):
+    expires = (timezone.now() + timedelta(days=1)).isoformat()
+    body = {"name": "batch-7", "cohort": cohort.name, "expires_at": expires, "uses_left": 10}
+    assert api_client_for("operator").post("/api/v1/enrollment-tokens/", body, format="json").status_code == 403
+    admin = api_client_for("admin")
+    response = admin.post("/api/v1/enrollment-tokens/", body, format="json")
+    assert response.status_code == 201
+    raw = response.json()["token"]
+    token = EnrollmentToken.objects.get(pk=response.json()["id"])
+    assert raw.startswith("fet_") and raw not in token.token_hash
+    listed = admin.get("/api/v1/enrollment-tokens/").json()["results"][0]
+    assert "token" not in listed and listed["usable"] is True
+    assert admin.post(f"/api/v1/enrollment-tokens/{token.pk}/revoke/").json()["usable"] is False
+    assert enroll(raw).json()["error"]["code"] == "enrollment_token_revoked"
+
+
+@pytest.mark.django_db
+def test_token_expiry_must_be_in_the_future(api_client_for, cohort):
+    body = {"name": "old", "cohort": cohort.name, "expires_at": (timezone.now() - timedelta(days=1)).isoformat()}
+    response = api_client_for("admin").post("/api/v1/enrollment-tokens/", body, format="json")
+    assert response.status_code == 400 and "expires_at" in response.json()["error"]["details"]

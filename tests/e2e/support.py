@@ -1,0 +1,156 @@
+"""What the end-to-end tests share: starting and stopping the real product, a fresh database and Redis
+namespace per test, waiting for conditions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psutil
+import psycopg
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def stack_env(tmp_path: Path, **overrides: str) -> dict:
+    """The environment for one product instance on the machine's PostgreSQL and Redis: its own database
+    (the launcher creates it), its own Redis prefix and data folder. Undo with ``drop_stack``."""
+    name = f"fleet_e2e_{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "DATABASE_URL": urlunsplit(urlsplit(os.environ["DATABASE_URL"])._replace(path="/" + name)),
+        "FLEET_DATA_DIR": str(tmp_path / "data"),
+        "REDIS_PREFIX": name,
+        "PYTHONUNBUFFERED": "1",
+        **overrides,
+    }
+    env.pop("CELERY_QUEUE", None)
+    return env
+
+
+def drop_stack(env: dict) -> None:
+    database = urlsplit(env["DATABASE_URL"]).path.lstrip("/")
+    admin = urlunsplit(urlsplit(env["DATABASE_URL"])._replace(path="/postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    forget_redis_keys(env["REDIS_PREFIX"])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Output:
+    """Collects a child's merged stdout/stderr on a thread, for assertions and failure messages."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self._thread.start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def tail(self, count: int = 60) -> str:
+        return "\n".join(self.lines[-count:])
+
+
+def spawn(argv: list[str], env: dict) -> tuple[subprocess.Popen, Output]:
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    return process, Output(process)
+
+
+def start_launcher(env: dict, port: int, timeout: float = 120) -> tuple[subprocess.Popen, Output]:
+    process, output = spawn(
+        [
+            sys.executable,
+            "-m",
+            "fleet.launcher",
+            "run",
+            "--port",
+            str(port),
+            "--web-workers",
+            "1",
+            "--worker-concurrency",
+            "1",
+        ],
+        env,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            time.sleep(0.3)
+            pytest.fail("launcher exited early:\n" + output.tail())
+        if any("press Ctrl-C to stop" in line for line in output.lines):
+            return process, output
+        time.sleep(0.3)
+    stop_launcher(process)
+    pytest.fail("launcher not ready in time:\n" + output.tail())
+
+
+def stop_launcher(process: subprocess.Popen, timeout: float = 60) -> list[psutil.Process]:
+    """SIGINT the launcher as Ctrl-C would, wait for it and its children; returns children still alive
+    (after killing them, so nothing outlives the test)."""
+    if process.poll() is not None:
+        return []  # already stopped and reaped: its pid may belong to someone else by now
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    _, alive = psutil.wait_procs(children, timeout=20)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for leftover in alive:
+        leftover.kill()
+    psutil.wait_procs(alive, timeout=10)
+    return alive
+
+
+def kill(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def wait_for(check, timeout: float, interval: float = 0.25):
+    """Polls ``check()`` until it returns something truthy; returns (value, seconds waited) or (None, timeout)."""
+    started = time.monotonic()
+    while True:
+        value = check()
+        if value:
+            return value, time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            return None, timeout
+        time.sleep(interval)
+
+
+def forget_redis_keys(prefix: str) -> None:
+    """Delete this test's own keys (all under its unique prefix); never anything else on the shared Redis."""
+    import redis
+
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

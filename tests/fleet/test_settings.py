@@ -1,0 +1,111 @@
+"""Settings come only from the environment and a bad value stops start-up with a clear message."""
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from fleet.env import database_from_url, env_bool, env_int, env_secret
+
+ROOT = Path(__file__).resolve().parents[2]
+STRONG_SECRET = secrets.token_urlsafe(60)
+
+
+def manage(*args: str, **overrides: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEET_ENV", "SECRET_KEY", "DEBUG", "ALLOWED_HOSTS")}
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"DEBUG": "maybe"}, "DEBUG='maybe' is not a boolean"),
+        ({"DATABASE_URL": "mysql://root@localhost/fleet"}, "DATABASE_URL must be a PostgreSQL URL"),
+        (
+            {"DATABASE_URL": "postgresql://localhost:54x2/fleet"},
+            "DATABASE_URL='postgresql://localhost:54x2/fleet' has a port that is not a number",
+        ),
+        ({"DATABASE_URL": None}, "DATABASE_URL is not set"),
+        ({"REDIS_URL": "http://localhost:6379"}, "REDIS_URL must be a redis://"),
+        ({"CHANNEL_LAYER_CAPACITY": "lots"}, "CHANNEL_LAYER_CAPACITY='lots' is not a whole number"),
+        ({"FLEET_ENV": "staging"}, "FLEET_ENV='staging' is not one of: development, production"),
+        ({"BLOB_STORAGE": "s3"}, "BLOB_STORAGE=s3 needs S3_BUCKET"),
+        ({"SECRET_KEY_FILE": "/nonexistent/secret"}, "SECRET_KEY_FILE='/nonexistent/secret' cannot be read"),
+    ],
+)
+def test_a_bad_environment_value_stops_start_up_with_a_clear_error(overrides, message):
+    result = manage("check", **overrides)
+    assert result.returncode != 0
+    assert f"configuration error: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({}, "SECRET_KEY (or SECRET_KEY_FILE) must be set"),
+        (
+            {"SECRET_KEY": "development-only-insecure-key-never-use-in-production-0123456789"},
+            "SECRET_KEY is the development default",
+        ),
+        ({"SECRET_KEY": "short"}, "SECRET_KEY is too weak"),
+        ({"SECRET_KEY": STRONG_SECRET, "DEBUG": "true"}, "DEBUG=true is refused"),
+        ({"SECRET_KEY": STRONG_SECRET, "ALLOWED_HOSTS": None}, "ALLOWED_HOSTS must list"),
+    ],
+)
+def test_production_refuses_unsafe_settings(overrides, message):
+    env = {"FLEET_ENV": "production", "ALLOWED_HOSTS": "fleet.example.com", **overrides}
+    result = manage("check", **env)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_check_deploy_is_clean_with_production_settings(tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(STRONG_SECRET)
+    result = manage(
+        "check",
+        "--deploy",
+        "--fail-level",
+        "WARNING",
+        FLEET_ENV="production",
+        SECRET_KEY_FILE=str(secret_file),
+        ALLOWED_HOSTS="fleet.example.com",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_env_readers_parse_and_refuse(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLAG", "Yes")
+    assert env_bool("FLAG", False) is True
+    monkeypatch.setenv("NUMBER", "7")
+    assert env_int("NUMBER", 1, minimum=1, maximum=9) == 7
+    with pytest.raises(ImproperlyConfigured, match="above the maximum"):
+        env_int("NUMBER", 1, maximum=5)
+    secret = tmp_path / "s"
+    secret.write_text("  hunter2-but-longer \n")
+    monkeypatch.setenv("TOKEN_FILE", str(secret))
+    assert env_secret("TOKEN") == "hunter2-but-longer"
+    monkeypatch.setenv("TOKEN", "direct")
+    with pytest.raises(ImproperlyConfigured, match="either TOKEN or TOKEN_FILE"):
+        env_secret("TOKEN")
+
+
+def test_database_url_supports_unix_sockets_and_options():
+    config = database_from_url("DATABASE_URL", "postgresql://postgres:p%40ss@/fleet?host=/run/pg&sslmode=disable")
+    assert config["HOST"] == "/run/pg"
+    assert config["PASSWORD"] == "p@ss"
+    assert config["NAME"] == "fleet"
+    assert config["OPTIONS"] == {"sslmode": "disable"}

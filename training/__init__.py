@@ -1,0 +1,1 @@
+"""Base models, adapters and versions, rollouts, deltas, verification, aggregation, rounds, DP accounting."""

@@ -1,0 +1,135 @@
+from rest_framework import serializers
+
+from devices.models import Cohort
+from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
+
+
+class BaseModelSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = BaseModel
+        fields = [
+            "id",
+            "name",
+            "family",
+            "family_config",
+            "weights_sha256",
+            "weights_size",
+            "parameter_count",
+            "created_at",
+        ]
+        read_only_fields = ["id", "weights_sha256", "weights_size", "parameter_count", "created_at"]
+
+
+class BaseModelCreateSerializer(serializers.Serializer):
+    name = serializers.SlugField(max_length=64)
+    family = serializers.CharField(max_length=200, help_text="`digits-cnn` or `package.module:attribute`")
+    family_config = serializers.JSONField(required=False, default=dict)
+    weights = serializers.FileField(required=False, help_text="safetensors; omit to store the family's seeded init")
+
+    def validate_name(self, value):
+        if BaseModel.objects.filter(name=value).exists():
+            raise serializers.ValidationError("A base model with this name exists.")
+        return value
+
+    def validate_family_config(self, value):
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON object")
+        return value
+
+
+class AdapterSerializer(serializers.ModelSerializer):
+    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    cohorts = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all(), many=True, required=False)
+    latest_version = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Adapter
+        fields = [
+            "id",
+            "name",
+            "base_model",
+            "cohorts",
+            "rank",
+            "alpha",
+            "dropout",
+            "target_modules",
+            "modules_to_save",
+            "tensor_spec",
+            "aggregation",
+            "created_at",
+            "latest_version",
+        ]
+        read_only_fields = ["id", "tensor_spec", "created_at", "latest_version"]
+        extra_kwargs = {
+            "rank": {"min_value": 1, "max_value": 256},
+            "alpha": {"min_value": 0.0},
+            "dropout": {"min_value": 0.0, "max_value": 0.9},
+            "target_modules": {"required": False},
+            "modules_to_save": {"required": False},
+        }
+
+    def get_latest_version(self, adapter) -> int | None:
+        return getattr(adapter, "latest_number", None)
+
+    def validate_name(self, value):
+        if Adapter.objects.filter(name=value).exists():
+            raise serializers.ValidationError("An adapter with this name exists.")
+        return value
+
+    def _names(self, value, field):
+        if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value) or len(value) > 64:
+            raise serializers.ValidationError(f"{field} must be a list of module names")
+        return value
+
+    def validate_target_modules(self, value):
+        return self._names(value, "target_modules")
+
+    def validate_modules_to_save(self, value):
+        return self._names(value, "modules_to_save")
+
+
+class AdapterVersionSerializer(serializers.ModelSerializer):
+    adapter = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    parent = serializers.SerializerMethodField()
+
+    class Meta:
+        model = AdapterVersion
+        fields = [
+            "id",
+            "adapter",
+            "number",
+            "parent",
+            "blob_sha256",
+            "size",
+            "source",
+            "seed",
+            "note",
+            "metrics",
+            "state",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+    def get_parent(self, version) -> int | None:
+        return version.parent.number if version.parent_id else None
+
+
+class SeedVersionSerializer(serializers.Serializer):
+    seed = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
+    note = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+
+
+class ImportVersionSerializer(serializers.Serializer):
+    adapter_model = serializers.FileField(help_text="adapter_model.safetensors (PEFT key names)")
+    adapter_config = serializers.FileField(required=False, help_text="adapter_config.json, checked when given")
+    note = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+
+
+class VersionActionSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=500, required=False, default="", allow_blank=True)
+
+
+class TrainingEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = TrainingEvent
+        fields = ["id", "kind", "actor_label", "detail", "created_at"]

@@ -1,0 +1,23 @@
+from django.urls import path
+from rest_framework.routers import SimpleRouter
+
+from training.api import views
+from training.api.device_views import DeviceBlobView
+from training.api.rollout_views import DeviceAssignmentReportView, DeviceAssignmentView, RolloutViewSet
+
+router = SimpleRouter()
+router.register("base-models", views.BaseModelViewSet, basename="base-model")
+router.register("adapters", views.AdapterViewSet, basename="adapter")
+router.register("adapter-versions", views.AdapterVersionViewSet, basename="adapter-version")
+router.register("rollouts", RolloutViewSet, basename="rollout")
+
+urlpatterns = [
+    path("device/blobs/<str:sha256>/", DeviceBlobView.as_view(), name="device-blob"),
+    path("device/assignment/", DeviceAssignmentView.as_view(), name="device-assignment"),
+    path(
+        "device/assignments/<int:assignment_id>/report/",
+        DeviceAssignmentReportView.as_view(),
+        name="device-assignment-report",
+    ),
+    *router.urls,
+]

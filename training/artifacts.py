@@ -1,0 +1,106 @@
+"""Checking safetensors files before anything trusts them: header within limits, exact tensor spec,
+finite values. Used for imported adapter versions, uploaded base weights and (later) device deltas.
+
+The header is parsed by hand first, so a hostile file (a header bomb, overlapping or out-of-range
+offsets, unknown dtypes) is refused before any library allocates tensors for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+MAX_HEADER_BYTES = 1024 * 1024
+MAX_TENSORS = 10_000
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class ArtifactRejected(ValueError):
+    """The file is not acceptable; ``code`` is stable, the message says exactly what is wrong."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def read_header(data: bytes) -> dict[str, dict]:
+    """Validate the safetensors framing and return ``{name: {dtype, shape, data_offsets}}``."""
+    if len(data) < 8:
+        raise ArtifactRejected("malformed", "the file is shorter than a safetensors header")
+    (header_size,) = struct.unpack("<Q", data[:8])
+    if 8 + header_size > len(data):
+        raise ArtifactRejected("malformed", "the header runs past the end of the file")
+    if header_size > MAX_HEADER_BYTES:
+        raise ArtifactRejected("header_too_large", f"the header is {header_size} bytes (limit {MAX_HEADER_BYTES})")
+    try:
+        header = json.loads(data[8 : 8 + header_size])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ArtifactRejected("malformed", "the header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ArtifactRejected("malformed", "the header is not a JSON object")
+    header.pop("__metadata__", None)
+    if len(header) > MAX_TENSORS:
+        raise ArtifactRejected("malformed", f"{len(header)} tensors (limit {MAX_TENSORS})")
+    body = len(data) - 8 - header_size
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise ArtifactRejected("malformed", f"tensor {name!r}: entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_BYTES:
+            raise ArtifactRejected("malformed", f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ArtifactRejected("malformed", f"tensor {name!r}: shape must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ArtifactRejected("malformed", f"tensor {name!r}: data_offsets must be two integers")
+        start, end = offsets
+        if not 0 <= start <= end <= body or end - start != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise ArtifactRejected("malformed", f"tensor {name!r}: data_offsets do not match its shape and the file")
+        spans.append((start, end))
+    spans.sort()
+    for (_, previous_end), (start, _) in zip(spans, spans[1:], strict=False):
+        if start < previous_end:
+            raise ArtifactRejected("malformed", "tensor data regions overlap")
+    return header
+
+
+def check_spec(header: dict[str, dict], spec: dict[str, dict]) -> None:
+    """Names, shapes and dtypes exactly as the adapter says: nothing missing, nothing extra."""
+    missing = sorted(set(spec) - set(header))
+    extra = sorted(set(header) - set(spec))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"unexpected {', '.join(extra[:5])}{' …' if len(extra) > 5 else ''}")
+        raise ArtifactRejected("spec_mismatch", "tensor names do not match the adapter: " + "; ".join(parts))
+    for name, expected in spec.items():
+        actual = header[name]
+        if list(actual["shape"]) != list(expected["shape"]):
+            raise ArtifactRejected(
+                "spec_mismatch", f"tensor {name!r} has shape {actual['shape']}, the adapter needs {expected['shape']}"
+            )
+        if actual["dtype"] != expected["dtype"]:
+            raise ArtifactRejected(
+                "spec_mismatch", f"tensor {name!r} is {actual['dtype']}, the adapter needs {expected['dtype']}"
+            )
+
+
+def load_checked(data: bytes, spec: dict[str, dict] | None = None) -> dict[str, torch.Tensor]:
+    """Framing, then the spec (when given), then finite values; returns the tensors."""
+    header = read_header(data)
+    if spec is not None:
+        check_spec(header, spec)
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # the library's own parse errors, after our framing checks passed
+        raise ArtifactRejected("malformed", f"safetensors could not read the file: {exc}") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ArtifactRejected("not_finite", f"tensor {name!r} holds NaN or infinite values")
+    return tensors

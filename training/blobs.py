@@ -1,0 +1,70 @@
+"""Content-addressed blobs (base weights, adapter versions, deltas) through Django's storage API.
+
+A blob is stored once under ``<sha[:2]>/<sha>``; writing the same bytes again is a no-op. The storage is
+the ``blobs`` alias: the filesystem by default, S3-compatible storage when configured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from django.core.files.base import ContentFile, File
+from django.core.files.storage import storages
+
+CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Blob:
+    sha256: str
+    size: int
+
+
+def _storage():
+    return storages["blobs"]
+
+
+def blob_name(sha256: str) -> str:
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise ValueError("not a sha256 hex digest")
+    return f"{sha256[:2]}/{sha256}"
+
+
+def blob_put_bytes(data: bytes) -> Blob:
+    sha = hashlib.sha256(data).hexdigest()
+    name = blob_name(sha)
+    storage = _storage()
+    if not storage.exists(name):
+        storage.save(name, ContentFile(data))
+    return Blob(sha256=sha, size=len(data))
+
+
+def blob_put_file(handle: BinaryIO) -> Blob:
+    """Hash a file while reading it once, then store it under its hash (streams, never all in memory)."""
+    digest, size = hashlib.sha256(), 0
+    handle.seek(0)
+    while chunk := handle.read(CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    sha = digest.hexdigest()
+    name = blob_name(sha)
+    storage = _storage()
+    if not storage.exists(name):
+        handle.seek(0)
+        storage.save(name, File(handle))
+    return Blob(sha256=sha, size=size)
+
+
+def blob_open(sha256: str):
+    return _storage().open(blob_name(sha256), "rb")
+
+
+def blob_read(sha256: str) -> bytes:
+    with blob_open(sha256) as handle:
+        return handle.read()
+
+
+def blob_exists(sha256: str) -> bool:
+    return _storage().exists(blob_name(sha256))

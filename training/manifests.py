@@ -1,0 +1,28 @@
+"""Signing adapter manifests with the server key (the format and the checks live in edge_agent.manifest)."""
+
+from __future__ import annotations
+
+import time
+
+from edge_agent.manifest import PURPOSE
+from edge_agent.protocol import sign
+from fleet.server_key import server_private_key
+
+MANIFEST_LIFETIME_SECONDS = 7 * 24 * 3600
+
+
+def manifest_sign(*, device_id: str, version, assignment_seq: int, lifetime: int = MANIFEST_LIFETIME_SECONDS) -> dict:
+    issued = time.time()
+    manifest = {
+        "purpose": PURPOSE,
+        "device_id": str(device_id),
+        "adapter": version.adapter.name,
+        "version": version.number,
+        "sha256": version.blob_sha256,
+        "size": version.size,
+        "base_model_sha256": version.adapter.base_model.weights_sha256,
+        "assignment_seq": assignment_seq,
+        "issued_at": round(issued, 3),
+        "expires_at": round(issued + lifetime, 3),
+    }
+    return {"manifest": manifest, "signature": sign(server_private_key(), manifest)}

@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class BaseModel(models.Model):
+    """The frozen model every device in a fleet carries.
+
+    ``family`` says how to build it (``edge_agent.families``); the weights are a safetensors blob,
+    content-addressed by ``weights_sha256``. Devices refuse manifests for another base (by that hash).
+    """
+
+    name = models.SlugField(max_length=64, unique=True)
+    family = models.CharField(max_length=200)
+    family_config = models.JSONField(default=dict, blank=True)
+    weights_sha256 = models.CharField(max_length=64)
+    weights_size = models.BigIntegerField()
+    parameter_count = models.BigIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Adapter(models.Model):
+    """A LoRA configuration on a base model; its versions are the artifacts devices run.
+
+    ``tensor_spec`` ({PEFT key: {shape, dtype}}) is derived from the base model and the configuration when
+    the adapter is created, and every version (seeded, imported or aggregated) must match it exactly.
+    """
+
+    name = models.SlugField(max_length=64, unique=True)
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="adapters")
+    cohorts = models.ManyToManyField("devices.Cohort", related_name="adapters", blank=True)
+    rank = models.PositiveSmallIntegerField()
+    alpha = models.FloatField()
+    dropout = models.FloatField(default=0.0)
+    target_modules = models.JSONField()
+    modules_to_save = models.JSONField(default=list, blank=True)
+    tensor_spec = models.JSONField()
+    aggregation = models.JSONField(default=dict, blank=True, help_text="strategy name and parameters")
+    dp = models.JSONField(default=dict, blank=True, help_text="server-side DP settings and budget")
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AdapterVersion(models.Model):
+    """One immutable adapter artifact (safetensors with PEFT key names), numbered per adapter.
+
+    The bytes live in blob storage under their sha256, never in this row. Once written, ``blob_sha256``,
+    ``size``, ``number`` and ``parent`` never change; only ``state`` (candidate → released → revoked) and the
+    evaluation ``metrics`` do.
+    """
+
+    class Source(models.TextChoices):
+        SEED = "seed", "Fresh initialisation"
+        IMPORT = "import", "Imported"
+        ROUND = "round", "Aggregated in a round"
+
+    class State(models.TextChoices):
+        CANDIDATE = "candidate"
+        RELEASED = "released"
+        REVOKED = "revoked"
+
+    adapter = models.ForeignKey(Adapter, on_delete=models.PROTECT, related_name="versions")
+    number = models.PositiveIntegerField()
+    parent = models.ForeignKey("self", on_delete=models.PROTECT, null=True, blank=True, related_name="children")
+    blob_sha256 = models.CharField(max_length=64)
+    size = models.BigIntegerField()
+    source = models.CharField(max_length=16, choices=Source.choices)
+    seed = models.BigIntegerField(null=True, blank=True)
+    note = models.CharField(max_length=200, blank=True)
+    metrics = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.CANDIDATE)
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+
+    class Meta:
+        ordering = ["adapter", "-number"]
+        constraints = [models.UniqueConstraint(fields=["adapter", "number"], name="unique_version_number")]
+
+    def __str__(self) -> str:
+        return f"{self.adapter.name} v{self.number}"
+
+
+class TrainingEvent(models.Model):
+    """An operator action on base models, adapters and versions: who did what, when (the audit trail)."""
+
+    kind = models.CharField(max_length=40)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    actor_label = models.CharField(max_length=64)
+    adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
+    version = models.ForeignKey(AdapterVersion, on_delete=models.CASCADE, null=True, blank=True, related_name="+")
+    detail = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} by {self.actor_label}"
+
+
+class Rollout(models.Model):
+    """An adapter version going out to a cohort in phases.
+
+    Each phase covers a percent of the cohort (devices chosen by a stable hash of rollout and device, so a
+    larger percent only ever adds devices) and lasts at least its soak time. Guards are thresholds on the
+    metrics devices report after installing; a breach pauses or rolls back, as ``on_breach`` says.
+    States: draft → running ⇄ paused → completed | aborted | rolled_back.
+    """
+
+    class State(models.TextChoices):
+        DRAFT = "draft"
+        RUNNING = "running"
+        PAUSED = "paused"
+        COMPLETED = "completed"
+        ABORTED = "aborted"
+        ROLLED_BACK = "rolled_back"
+
+    class OnBreach(models.TextChoices):
+        PAUSE = "pause"
+        ROLLBACK = "rollback"
+
+    version = models.ForeignKey(AdapterVersion, on_delete=models.PROTECT, related_name="rollouts")
+    cohort = models.ForeignKey("devices.Cohort", on_delete=models.PROTECT, related_name="rollouts")
+    phases = models.JSONField(help_text="[{percent, min_soak_seconds}], percents increasing, the last ≤ 100")
+    guards = models.JSONField(default=list, blank=True, help_text="[{metric, min | max, min_reports}]")
+    max_failure_rate = models.FloatField(default=0.2)
+    on_breach = models.CharField(max_length=16, choices=OnBreach.choices, default=OnBreach.PAUSE)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.DRAFT)
+    current_phase = models.PositiveSmallIntegerField(default=0)
+    phase_started_at = models.DateTimeField(null=True, blank=True)
+    state_reason = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"rollout {self.pk}: {self.version} to {self.cohort}"
+
+
+class Assignment(models.Model):
+    """What one device should run, as of one moment: a signed manifest's worth of intent.
+
+    ``seq`` is the device's assignment sequence (monotonic per device, ``UNIQUE(device, seq)``): the agent
+    refuses a manifest that is not newer than the last it accepted. A rollback is a new assignment with
+    a newer ``seq`` pointing at the older version. A newer assignment supersedes the older pending ones.
+    """
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        INSTALLED = "installed"
+        FAILED = "failed"
+        SUPERSEDED = "superseded"
+
+    device = models.ForeignKey("devices.Device", on_delete=models.CASCADE, related_name="assignments")
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, null=True, blank=True, related_name="assignments")
+    phase = models.PositiveSmallIntegerField(default=0)
+    version = models.ForeignKey(AdapterVersion, on_delete=models.PROTECT, related_name="assignments")
+    previous_version = models.ForeignKey(
+        AdapterVersion, on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    seq = models.PositiveBigIntegerField()
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    reason = models.CharField(max_length=300, blank=True)
+    metrics = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    reported_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-seq"]
+        constraints = [models.UniqueConstraint(fields=["device", "seq"], name="unique_assignment_seq_per_device")]
+        indexes = [models.Index(fields=["rollout", "state"]), models.Index(fields=["device", "state"])]
+
+    def __str__(self) -> str:
+        return f"assignment {self.seq} of {self.device_id}: {self.version}"

@@ -1,0 +1,375 @@
+"""Rollouts: phases, deterministic device selection, guards, and the assignments that carry them.
+
+Services write (``rollout_*``, ``assignment_*``); ``rollout_tick`` is what the beat task runs. Every change
+of state records who did it; deliveries go out after the transaction commits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from devices.models import Device, DeviceStatus
+from fleet.api.errors import ApiError
+from training.models import AdapterVersion, Assignment, Rollout, TrainingEvent
+
+ACTIVE = (Assignment.State.PENDING, Assignment.State.DELIVERED)
+REPORTABLE_METRICS = 32
+
+
+def device_bucket(rollout_id: int, device_id) -> float:
+    """A stable position in [0, 100) for a device in a rollout: phase n covers buckets below its percent."""
+    digest = hashlib.sha256(f"{rollout_id}:{device_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 10_000 / 100
+
+
+def _record(kind: str, rollout: Rollout, actor, **detail) -> None:
+    TrainingEvent.objects.create(
+        kind=kind,
+        actor=actor,
+        actor_label=actor.username if actor is not None else "system",
+        adapter=rollout.version.adapter,
+        version=rollout.version,
+        detail={"rollout": rollout.pk, **detail},
+    )
+
+
+def validate_phases(phases) -> list[dict]:
+    if not isinstance(phases, list) or not 1 <= len(phases) <= 20:
+        raise ApiError("invalid_phases", "phases must be a list of 1 to 20 phases", status_code=400)
+    cleaned, previous = [], 0.0
+    for index, phase in enumerate(phases):
+        if not isinstance(phase, dict):
+            raise ApiError("invalid_phases", f"phase {index} must be an object", status_code=400)
+        percent, soak = phase.get("percent"), phase.get("min_soak_seconds", 0)
+        if not isinstance(percent, int | float) or isinstance(percent, bool) or not previous < percent <= 100:
+            raise ApiError(
+                "invalid_phases",
+                f"phase {index}: percent must rise above {previous:g} and be at most 100",
+                status_code=400,
+            )
+        if not isinstance(soak, int) or isinstance(soak, bool) or soak < 0:
+            raise ApiError(
+                "invalid_phases", f"phase {index}: min_soak_seconds must be a whole number ≥ 0", status_code=400
+            )
+        cleaned.append({"percent": float(percent), "min_soak_seconds": soak})
+        previous = float(percent)
+    return cleaned
+
+
+def validate_guards(guards) -> list[dict]:
+    if not isinstance(guards, list) or len(guards) > 10:
+        raise ApiError("invalid_guards", "guards must be a list of at most 10 guards", status_code=400)
+    cleaned = []
+    for index, guard in enumerate(guards):
+        if not isinstance(guard, dict) or not isinstance(guard.get("metric"), str) or not guard["metric"]:
+            raise ApiError("invalid_guards", f"guard {index} needs a metric name", status_code=400)
+        bounds = {key: guard[key] for key in ("min", "max") if key in guard}
+        if not bounds or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in bounds.values()):
+            raise ApiError("invalid_guards", f"guard {index} needs a numeric min or max", status_code=400)
+        min_reports = guard.get("min_reports", 1)
+        if not isinstance(min_reports, int) or min_reports < 1:
+            raise ApiError("invalid_guards", f"guard {index}: min_reports must be ≥ 1", status_code=400)
+        cleaned.append({"metric": guard["metric"], **bounds, "min_reports": min_reports})
+    return cleaned
+
+
+@transaction.atomic
+def rollout_create(
+    *,
+    version: AdapterVersion,
+    cohort,
+    phases,
+    guards=(),
+    on_breach: str = "pause",
+    max_failure_rate: float = 0.2,
+    actor,
+) -> Rollout:
+    if version.state == AdapterVersion.State.REVOKED:
+        raise ApiError("version_revoked", f"{version} is revoked and cannot be rolled out", status_code=409)
+    if not version.adapter.cohorts.filter(pk=cohort.pk).exists():
+        raise ApiError(
+            "cohort_not_served", f"adapter {version.adapter.name} does not serve cohort {cohort.name}", status_code=409
+        )
+    if on_breach not in Rollout.OnBreach.values:
+        raise ApiError("invalid_on_breach", "on_breach must be pause or rollback", status_code=400)
+    if not 0 <= max_failure_rate <= 1:
+        raise ApiError("invalid_failure_rate", "max_failure_rate must be between 0 and 1", status_code=400)
+    rollout = Rollout.objects.create(
+        version=version,
+        cohort=cohort,
+        phases=validate_phases(phases),
+        guards=validate_guards(list(guards)),
+        on_breach=on_breach,
+        max_failure_rate=max_failure_rate,
+        created_by=actor,
+    )
+    _record("rollout.created", rollout, actor, phases=rollout.phases, guards=rollout.guards)
+    return rollout
+
+
+def _lock(rollout: Rollout) -> Rollout:
+    return Rollout.objects.select_for_update().select_related("version__adapter", "cohort").get(pk=rollout.pk)
+
+
+def _set_state(rollout: Rollout, state: str, *, reason: str = "", **fields) -> None:
+    rollout.state = state
+    rollout.state_reason = reason
+    for name, value in fields.items():
+        setattr(rollout, name, value)
+    rollout.save(update_fields=["state", "state_reason", *fields])
+
+
+@transaction.atomic
+def rollout_start(*, rollout: Rollout, actor) -> Rollout:
+    rollout = _lock(rollout)
+    if rollout.state != Rollout.State.DRAFT:
+        raise ApiError("invalid_transition", f"Cannot start a rollout that is {rollout.state}.", status_code=409)
+    busy = Rollout.objects.filter(
+        cohort=rollout.cohort,
+        version__adapter=rollout.version.adapter,
+        state__in=[Rollout.State.RUNNING, Rollout.State.PAUSED],
+    ).exclude(pk=rollout.pk)
+    if busy.exists():
+        raise ApiError(
+            "rollout_in_progress",
+            f"rollout {busy.first().pk} of this adapter is still in progress in {rollout.cohort.name}",
+            status_code=409,
+        )
+    now = timezone.now()
+    _set_state(rollout, Rollout.State.RUNNING, started_at=now, phase_started_at=now, current_phase=0)
+    count = _assign_phase(rollout)
+    _record("rollout.started", rollout, actor, assigned=count)
+    return rollout
+
+
+def _phase_devices(rollout: Rollout, phase: int) -> list[Device]:
+    percent = rollout.phases[phase]["percent"]
+    devices = Device.objects.filter(cohort=rollout.cohort, status=DeviceStatus.ACTIVE).only("id", "running_version")
+    return [d for d in devices if device_bucket(rollout.pk, d.pk) < percent]
+
+
+def _assign_phase(rollout: Rollout) -> int:
+    already = set(rollout.assignments.values_list("device_id", flat=True))
+    created = 0
+    for device in _phase_devices(rollout, rollout.current_phase):
+        if device.pk in already:
+            continue
+        assignment_create(device=device, version=rollout.version, rollout=rollout, phase=rollout.current_phase)
+        created += 1
+    return created
+
+
+def assignment_create(
+    *, device: Device, version: AdapterVersion, rollout: Rollout | None = None, phase: int = 0
+) -> Assignment:
+    """Issue the device's next sequence number for ``version`` and supersede what it had not yet installed."""
+    with transaction.atomic():
+        locked = Device.objects.select_for_update().get(pk=device.pk)
+        seq = locked.assignment_seq + 1
+        Device.objects.filter(pk=device.pk).update(assignment_seq=seq, desired_version=version)
+        Assignment.objects.filter(device=device, state__in=ACTIVE).update(
+            state=Assignment.State.SUPERSEDED, reason=f"superseded by assignment {seq}"
+        )
+        assignment = Assignment.objects.create(
+            device=device,
+            rollout=rollout,
+            phase=phase,
+            version=version,
+            previous_version_id=locked.running_version_id,
+            seq=seq,
+        )
+        assignment_id = assignment.pk
+        transaction.on_commit(lambda: deliver(assignment_id))
+    return assignment
+
+
+def deliver(assignment_id: int) -> bool:
+    """Push an assignment to its device if it is connected; otherwise it is picked up at the next hello."""
+    from devices.push import device_command
+    from training.delivery import assignment_message
+
+    assignment = Assignment.objects.select_related("version__adapter__base_model").filter(pk=assignment_id).first()
+    if assignment is None or assignment.state not in ACTIVE:
+        return False
+    return device_command(
+        str(assignment.device_id),
+        command_id=str(uuid.uuid4()),
+        command="assignment",
+        args=assignment_message(assignment),
+    )
+
+
+@transaction.atomic
+def rollout_pause(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
+    rollout = _lock(rollout)
+    if rollout.state != Rollout.State.RUNNING:
+        raise ApiError("invalid_transition", f"Cannot pause a rollout that is {rollout.state}.", status_code=409)
+    _set_state(rollout, Rollout.State.PAUSED, reason=reason)
+    _record("rollout.paused", rollout, actor, reason=reason)
+    return rollout
+
+
+@transaction.atomic
+def rollout_resume(*, rollout: Rollout, actor) -> Rollout:
+    rollout = _lock(rollout)
+    if rollout.state != Rollout.State.PAUSED:
+        raise ApiError("invalid_transition", f"Cannot resume a rollout that is {rollout.state}.", status_code=409)
+    _set_state(rollout, Rollout.State.RUNNING, phase_started_at=timezone.now())
+    count = _assign_phase(rollout)  # devices that enrolled or were approved while it was paused
+    _record("rollout.resumed", rollout, actor, assigned=count)
+    return rollout
+
+
+def _supersede_pending(rollout: Rollout, reason: str) -> int:
+    return rollout.assignments.filter(state__in=ACTIVE).update(state=Assignment.State.SUPERSEDED, reason=reason)
+
+
+@transaction.atomic
+def rollout_abort(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
+    """Stop here: nothing more is assigned; devices keep what they already installed."""
+    rollout = _lock(rollout)
+    if rollout.state not in (Rollout.State.RUNNING, Rollout.State.PAUSED):
+        raise ApiError("invalid_transition", f"Cannot abort a rollout that is {rollout.state}.", status_code=409)
+    withdrawn = _supersede_pending(rollout, "rollout aborted")
+    _set_state(rollout, Rollout.State.ABORTED, reason=reason, finished_at=timezone.now())
+    Device.objects.filter(assignments__rollout=rollout, desired_version=rollout.version).exclude(
+        running_version=rollout.version
+    ).update(desired_version=None)
+    _record("rollout.aborted", rollout, actor, reason=reason, withdrawn=withdrawn)
+    return rollout
+
+
+@transaction.atomic
+def rollout_rollback(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
+    """Every device this rollout reached gets a new assignment (a newer seq) back to what it ran before."""
+    rollout = _lock(rollout)
+    if rollout.state not in (Rollout.State.RUNNING, Rollout.State.PAUSED, Rollout.State.COMPLETED):
+        raise ApiError("invalid_transition", f"Cannot roll back a rollout that is {rollout.state}.", status_code=409)
+    _supersede_pending(rollout, "rollout rolled back")
+    reached = rollout.assignments.filter(state__in=[Assignment.State.INSTALLED, Assignment.State.DELIVERED])
+    reverted = 0
+    for assignment in reached.select_related("device", "previous_version"):
+        if assignment.previous_version is None:
+            continue  # it ran nothing before: there is nothing to go back to
+        assignment_create(device=assignment.device, version=assignment.previous_version, rollout=None)
+        reverted += 1
+    _set_state(rollout, Rollout.State.ROLLED_BACK, reason=reason, finished_at=timezone.now())
+    _record("rollout.rolled_back", rollout, actor, reason=reason, reverted=reverted)
+    return rollout
+
+
+def guard_report(rollout: Rollout) -> list[dict]:
+    """Each guard with the mean of what installed devices reported, and whether it holds."""
+    installed = list(rollout.assignments.filter(state=Assignment.State.INSTALLED).values_list("metrics", flat=True))
+    report = []
+    for guard in rollout.guards:
+        values = [m[guard["metric"]] for m in installed if isinstance(m.get(guard["metric"]), int | float)]
+        mean = sum(values) / len(values) if values else None
+        enough = len(values) >= guard["min_reports"]
+        breached = enough and (("min" in guard and mean < guard["min"]) or ("max" in guard and mean > guard["max"]))
+        report.append({**guard, "reports": len(values), "mean": mean, "breached": bool(breached)})
+    counts = rollout.assignments.aggregate(
+        failed=Count("id", filter=Q(state=Assignment.State.FAILED)),
+        done=Count("id", filter=Q(state__in=[Assignment.State.FAILED, Assignment.State.INSTALLED])),
+    )
+    rate = counts["failed"] / counts["done"] if counts["done"] else 0.0
+    report.append(
+        {
+            "metric": "failure_rate",
+            "max": rollout.max_failure_rate,
+            "reports": counts["done"],
+            "mean": rate,
+            "breached": counts["done"] >= 3 and rate > rollout.max_failure_rate,
+        }
+    )
+    return report
+
+
+def rollout_tick(*, rollout: Rollout) -> str:
+    """One step of a running rollout: check guards, then advance when the phase has soaked. Idempotent."""
+    with transaction.atomic():
+        rollout = _lock(rollout)
+        if rollout.state != Rollout.State.RUNNING:
+            return rollout.state
+        breached = [g for g in guard_report(rollout) if g["breached"]]
+        if breached:
+            reason = "guard breached: " + ", ".join(
+                f"{g['metric']} {g['mean']:.4g} vs {'min ' + str(g['min']) if 'min' in g else 'max ' + str(g['max'])}"
+                for g in breached
+            )
+            if rollout.on_breach == Rollout.OnBreach.ROLLBACK:
+                rollout_rollback(rollout=rollout, actor=None, reason=reason)
+            else:
+                rollout_pause(rollout=rollout, actor=None, reason=reason)
+            return "breached"
+        phase = rollout.phases[rollout.current_phase]
+        if timezone.now() < rollout.phase_started_at + timedelta(seconds=phase["min_soak_seconds"]):
+            return "soaking"
+        if rollout.current_phase + 1 < len(rollout.phases):
+            rollout.current_phase += 1
+            rollout.phase_started_at = timezone.now()
+            rollout.save(update_fields=["current_phase", "phase_started_at"])
+            count = _assign_phase(rollout)
+            _record("rollout.phase", rollout, None, phase=rollout.current_phase, assigned=count)
+            return "advanced"
+        _set_state(rollout, Rollout.State.COMPLETED, finished_at=timezone.now())
+        _record("rollout.completed", rollout, None)
+        return "completed"
+
+
+def assignment_report(*, device: Device, assignment_id, status: str, reason: str = "", metrics=None) -> Assignment:
+    """A device says what became of one of its assignments. Only its own; only forward in the lifecycle."""
+    if status not in ("delivered", "installed", "failed"):
+        raise ApiError("invalid_status", "status must be delivered, installed or failed", status_code=400)
+    metrics = metrics or {}
+    if (
+        not isinstance(metrics, dict)
+        or len(metrics) > REPORTABLE_METRICS
+        or not all(
+            isinstance(k, str)
+            and len(k) <= 64
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and v == v
+            and abs(v) != float("inf")
+            for k, v in metrics.items()
+        )
+    ):
+        raise ApiError(
+            "invalid_metrics", f"metrics must map up to {REPORTABLE_METRICS} names to finite numbers", status_code=400
+        )
+    if not isinstance(reason, str) or len(reason) > 300:
+        raise ApiError("invalid_reason", "reason must be a string of at most 300 characters", status_code=400)
+    with transaction.atomic():
+        assignment = Assignment.objects.select_for_update().filter(pk=assignment_id, device=device).first()
+        if assignment is None:
+            raise ApiError("not_found", "No such assignment for this device.", status_code=404)
+        allowed = {
+            "delivered": {Assignment.State.PENDING},
+            "installed": {Assignment.State.PENDING, Assignment.State.DELIVERED},
+            "failed": {Assignment.State.PENDING, Assignment.State.DELIVERED},
+        }[status]
+        if assignment.state not in allowed:
+            raise ApiError(
+                "invalid_transition",
+                f"assignment {assignment.seq} is {assignment.state}; cannot mark it {status}",
+                status_code=409,
+            )
+        now = timezone.now()
+        assignment.state = status
+        assignment.reason = reason
+        if status == "delivered":
+            assignment.delivered_at = now
+        else:
+            assignment.reported_at = now
+            assignment.metrics = metrics
+        assignment.save(update_fields=["state", "reason", "delivered_at", "reported_at", "metrics"])
+        if status == "installed":
+            Device.objects.filter(pk=device.pk).update(running_version=assignment.version)
+    return assignment

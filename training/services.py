@@ -1,0 +1,235 @@
+"""Everything that writes base models, adapters and adapter versions.
+
+Artifacts are checked (``training.artifacts``) before they are stored, stored by hash before a row points
+at them, and never rewritten. Every operator action leaves a ``TrainingEvent``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import torch
+from django.db import transaction
+from django.db.models import Max
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from edge_agent.families import get_family
+from edge_agent.lora import initial_tensors, peft_config, tensor_spec
+from fleet.api.errors import ApiError
+from training.artifacts import ArtifactRejected, load_checked
+from training.blobs import blob_put_bytes, blob_read
+from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
+
+MAX_ARTIFACT_BYTES = 512 * 1024 * 1024
+
+
+def _record(kind: str, *, actor, adapter=None, version=None, **detail) -> None:
+    TrainingEvent.objects.create(
+        kind=kind,
+        actor=actor,
+        actor_label=actor.username if actor is not None else "system",
+        adapter=adapter,
+        version=version,
+        detail=detail,
+    )
+
+
+def _rejected(exc: ArtifactRejected) -> ApiError:
+    return ApiError(f"artifact_{exc.code}", str(exc), status_code=400)
+
+
+def _family(name: str):
+    try:
+        return get_family(name)
+    except LookupError as exc:
+        raise ApiError("unknown_family", str(exc), status_code=400) from None
+
+
+def build_base(base_model: BaseModel) -> torch.nn.Module:
+    """The base model with its stored weights loaded (strictly: every tensor, no extras)."""
+    module = get_family(base_model.family).build(base_model.family_config)
+    module.load_state_dict(load_safetensors(blob_read(base_model.weights_sha256)), strict=True)
+    return module.eval()
+
+
+@transaction.atomic
+def base_model_create(
+    *, name: str, family: str, family_config: dict | None = None, weights: bytes | None = None, actor=None
+) -> BaseModel:
+    """Register a base model. Without ``weights`` the family's own initialisation (from the config's seed)
+    is stored; with them, they must hold exactly the family's tensors."""
+    config = family_config or {}
+    module = _family(family).build(config)
+    expected = {key: {"shape": list(t.shape), "dtype": "F32"} for key, t in module.state_dict().items()}
+    if weights is None:
+        weights = save_safetensors({key: t.contiguous() for key, t in module.state_dict().items()})
+    elif len(weights) > MAX_ARTIFACT_BYTES:
+        raise ApiError("artifact_too_large", f"weights above {MAX_ARTIFACT_BYTES} bytes", status_code=413)
+    try:
+        load_checked(weights, expected)
+    except ArtifactRejected as exc:
+        raise _rejected(exc) from None
+    blob = blob_put_bytes(weights)
+    base = BaseModel.objects.create(
+        name=name,
+        family=family,
+        family_config=config,
+        weights_sha256=blob.sha256,
+        weights_size=blob.size,
+        parameter_count=sum(t.numel() for t in module.state_dict().values()),
+        created_by=actor,
+    )
+    _record("base_model.created", actor=actor, base_model=name, sha256=blob.sha256)
+    return base
+
+
+@transaction.atomic
+def adapter_create(
+    *,
+    name: str,
+    base_model: BaseModel,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: list[str] | None = None,
+    modules_to_save: list[str] | None = None,
+    cohorts=(),
+    aggregation: dict | None = None,
+    actor=None,
+) -> Adapter:
+    family = _family(base_model.family)
+    targets = list(target_modules or family.default_targets)
+    to_save = list(family.default_modules_to_save if modules_to_save is None else modules_to_save)
+    try:
+        spec = tensor_spec(build_base(base_model), rank=rank, target_modules=targets, modules_to_save=to_save)
+    except ValueError as exc:
+        raise ApiError("invalid_adapter", str(exc), status_code=400) from None
+    adapter = Adapter.objects.create(
+        name=name,
+        base_model=base_model,
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        target_modules=targets,
+        modules_to_save=to_save,
+        tensor_spec={key: value.as_json() for key, value in spec.items()},
+        aggregation=aggregation or {"strategy": "fedavg"},
+        created_by=actor,
+    )
+    adapter.cohorts.set(cohorts)
+    _record("adapter.created", actor=actor, adapter=adapter, rank=rank, targets=targets)
+    return adapter
+
+
+def _next_number(adapter: Adapter) -> int:
+    Adapter.objects.select_for_update().filter(pk=adapter.pk).first()  # serialise numbering per adapter
+    return (adapter.versions.aggregate(top=Max("number"))["top"] or 0) + 1
+
+
+@transaction.atomic
+def version_create_seeded(*, adapter: Adapter, seed: int, actor=None, note: str = "") -> AdapterVersion:
+    """A fresh adapter (the adapted model equals the base), bit-for-bit reproducible from ``seed``."""
+    base = build_base(adapter.base_model)
+    shapes = {key: tuple(value["shape"]) for key, value in adapter.tensor_spec.items()}
+    tensors = initial_tensors(
+        base, shapes, seed=seed, target_modules=adapter.target_modules, modules_to_save=adapter.modules_to_save
+    )
+    blob = blob_put_bytes(save_safetensors(dict(sorted(tensors.items()))))
+    version = AdapterVersion.objects.create(
+        adapter=adapter,
+        number=_next_number(adapter),
+        blob_sha256=blob.sha256,
+        size=blob.size,
+        source=AdapterVersion.Source.SEED,
+        seed=seed,
+        note=note,
+        created_by=actor,
+    )
+    _record("version.created", actor=actor, adapter=adapter, version=version, source="seed", seed=seed)
+    return version
+
+
+@transaction.atomic
+def version_import(
+    *, adapter: Adapter, data: bytes, config: dict | None = None, actor=None, note: str = ""
+) -> AdapterVersion:
+    """Import a PEFT adapter file; it must match the adapter's spec exactly and hold finite values."""
+    if len(data) > MAX_ARTIFACT_BYTES:
+        raise ApiError("artifact_too_large", f"the file is above {MAX_ARTIFACT_BYTES} bytes", status_code=413)
+    if config is not None:
+        _check_peft_config(adapter, config)
+    try:
+        load_checked(data, adapter.tensor_spec)
+    except ArtifactRejected as exc:
+        raise _rejected(exc) from None
+    blob = blob_put_bytes(data)
+    parent = adapter.versions.order_by("-number").first()
+    version = AdapterVersion.objects.create(
+        adapter=adapter,
+        number=_next_number(adapter),
+        parent=parent,
+        blob_sha256=blob.sha256,
+        size=blob.size,
+        source=AdapterVersion.Source.IMPORT,
+        note=note,
+        created_by=actor,
+    )
+    _record("version.created", actor=actor, adapter=adapter, version=version, source="import", sha256=blob.sha256)
+    return version
+
+
+def _check_peft_config(adapter: Adapter, config: dict) -> None:
+    if not isinstance(config, dict):
+        raise ApiError("invalid_config", "adapter_config.json must be a JSON object", status_code=400)
+    problems = []
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        problems.append(f"peft_type is {config.get('peft_type')!r}, not LORA")
+    if config.get("r") != adapter.rank:
+        problems.append(f"r is {config.get('r')!r}, the adapter's rank is {adapter.rank}")
+    targets = config.get("target_modules")
+    if targets is not None and sorted(targets if isinstance(targets, list) else [targets]) != sorted(
+        adapter.target_modules
+    ):
+        problems.append(f"target_modules {targets!r} differ from {adapter.target_modules}")
+    if problems:
+        raise ApiError(
+            "invalid_config", "adapter_config.json does not match the adapter: " + "; ".join(problems), status_code=400
+        )
+
+
+_TRANSITIONS = {
+    "release": ({AdapterVersion.State.CANDIDATE}, AdapterVersion.State.RELEASED),
+    "revoke": ({AdapterVersion.State.CANDIDATE, AdapterVersion.State.RELEASED}, AdapterVersion.State.REVOKED),
+}
+
+
+@transaction.atomic
+def version_transition(*, version: AdapterVersion, action: str, actor, reason: str = "") -> AdapterVersion:
+    allowed, target = _TRANSITIONS[action]
+    current = AdapterVersion.objects.select_for_update().get(pk=version.pk)
+    if current.state not in allowed:
+        raise ApiError("invalid_transition", f"Cannot {action} a version that is {current.state}.", status_code=409)
+    AdapterVersion.objects.filter(pk=version.pk).update(state=target)
+    version.refresh_from_db()
+    _record(f"version.{action}d", actor=actor, adapter=version.adapter, version=version, reason=reason)
+    return version
+
+
+def version_export_peft(version: AdapterVersion) -> bytes:
+    """A zip of a PEFT adapter directory: ``adapter_model.safetensors`` and ``adapter_config.json``."""
+    adapter = version.adapter
+    config = peft_config(
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        dropout=adapter.dropout,
+        target_modules=adapter.target_modules,
+        modules_to_save=adapter.modules_to_save,
+    )
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("adapter_model.safetensors", blob_read(version.blob_sha256))
+        archive.writestr("adapter_config.json", json.dumps(config, indent=2))
+    return buffer.getvalue()
