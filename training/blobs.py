@@ -7,6 +7,9 @@ the ``blobs`` alias: the filesystem by default, S3-compatible storage when confi
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -68,3 +71,24 @@ def blob_read(sha256: str) -> bytes:
 
 def blob_exists(sha256: str) -> bool:
     return _storage().exists(blob_name(sha256))
+
+
+@contextmanager
+def blob_local_path(sha256: str) -> Iterator[str]:
+    """A local file path holding the blob, for readers that need one (``safetensors.safe_open`` maps it).
+
+    The filesystem storage gives its own path; other storages (S3) are copied to a temporary file first."""
+    storage = _storage()
+    name = blob_name(sha256)
+    try:
+        local = storage.path(name)
+    except NotImplementedError:
+        local = None
+    if local is not None:
+        yield local
+        return
+    with tempfile.NamedTemporaryFile(prefix="blob-", suffix=".safetensors") as copy, storage.open(name, "rb") as src:
+        while chunk := src.read(CHUNK):
+            copy.write(chunk)
+        copy.flush()
+        yield copy.name

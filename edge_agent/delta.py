@@ -1,0 +1,171 @@
+"""The delta file and its signed envelope: what a device uploads after training, defined once here.
+
+A delta is a safetensors file with the adapter's PEFT key names holding, per tensor, ``new - old`` relative
+to the shared version the device started from (in FFA-LoRA mode only the ``lora_B`` tensors and the modules
+to save). The header's ``__metadata__`` says how values are encoded:
+
+- ``f32``: as is;
+- ``f16``: half precision (half the bytes);
+- ``int8``: symmetric per-tensor quantisation, ``value = q * scale`` with the scales in ``metadata["scales"]``
+  (a JSON object name -> float).
+
+The envelope is what the device signs with its Ed25519 key: the canonical JSON of
+``{purpose, device_id, adapter, base_version, sha256, size, num_samples, counter, created_at}``. The counter
+is monotonic per device; the server refuses one it has seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from safetensors.torch import save as save_safetensors
+
+from edge_agent.protocol import sign
+
+FORMAT = "fleet-delta"
+ENCODINGS = {"f32": "F32", "f16": "F16", "int8": "I8"}
+ENVELOPE_PURPOSE = "delta-upload"
+ENVELOPE_FIELDS = ("device_id", "adapter", "base_version", "sha256", "size", "num_samples", "counter", "created_at")
+
+
+def compute_delta(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], *, only_b: bool = False):
+    """``new - old`` for every tensor of the adapter (only ``lora_B`` and saved modules when ``only_b``)."""
+    keys = [k for k in old if not (only_b and ".lora_A." in k)]
+    missing = [k for k in keys if k not in new]
+    if missing:
+        raise KeyError(f"the new adapter lacks {missing[:3]}")
+    return {k: (new[k].detach().float() - old[k].detach().float()).contiguous() for k in keys}
+
+
+def encode_delta(tensors: dict[str, torch.Tensor], *, encoding: str = "f32") -> bytes:
+    """The delta file's bytes in the chosen encoding."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown delta encoding {encoding!r}: use one of {sorted(ENCODINGS)}")
+    metadata = {"format": FORMAT, "encoding": encoding}
+    out: dict[str, torch.Tensor] = {}
+    scales: dict[str, float] = {}
+    for name, tensor in tensors.items():
+        value = tensor.detach().float().contiguous()
+        if encoding == "f16":
+            out[name] = value.half().contiguous()
+        elif encoding == "int8":
+            peak = float(value.abs().max()) if value.numel() else 0.0
+            scale = peak / 127.0 if peak > 0 else 1.0
+            scales[name] = scale
+            out[name] = torch.clamp(torch.round(value / scale), -127, 127).to(torch.int8).contiguous()
+        else:
+            out[name] = value
+    if encoding == "int8":
+        metadata["scales"] = json.dumps(scales, sort_keys=True)
+    return save_safetensors(out, metadata=metadata)
+
+
+def read_encoding(metadata: dict[str, str] | None) -> tuple[str, dict[str, float]]:
+    """The encoding and int8 scales a delta header declares; ValueError when they are unusable."""
+    metadata = metadata or {}
+    encoding = metadata.get("encoding", "f32")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown delta encoding {encoding!r}")
+    scales: dict[str, float] = {}
+    if encoding == "int8":
+        try:
+            scales = json.loads(metadata.get("scales", ""))
+        except (TypeError, json.JSONDecodeError):
+            raise ValueError("an int8 delta needs a JSON 'scales' object in its metadata") from None
+        if not isinstance(scales, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for v in scales.values()
+        ):
+            raise ValueError("int8 scales must be positive finite numbers")
+    return encoding, {k: float(v) for k, v in scales.items()}
+
+
+def decode_tensor(raw: torch.Tensor, *, encoding: str, scale: float | None = None) -> torch.Tensor:
+    """A stored tensor (or a slice of one) back to float32."""
+    if encoding == "int8":
+        if scale is None:
+            raise ValueError("an int8 tensor needs its scale")
+        return raw.to(torch.float32) * scale
+    return raw.to(torch.float32)
+
+
+def envelope_payload(
+    *,
+    device_id: str,
+    adapter: str,
+    base_version: int,
+    sha256: str,
+    size: int,
+    num_samples: int,
+    counter: int,
+    created_at: float,
+) -> dict[str, Any]:
+    return {
+        "purpose": ENVELOPE_PURPOSE,
+        "device_id": str(device_id),
+        "adapter": adapter,
+        "base_version": int(base_version),
+        "sha256": sha256,
+        "size": int(size),
+        "num_samples": int(num_samples),
+        "counter": int(counter),
+        "created_at": float(created_at),
+    }
+
+
+def sign_delta(
+    key: Ed25519PrivateKey,
+    data: bytes,
+    *,
+    device_id: str,
+    adapter: str,
+    base_version: int,
+    num_samples: int,
+    counter: int,
+    created_at: float | None = None,
+) -> dict[str, Any]:
+    """``{"envelope": {...}, "signature": "..."}`` for the delta bytes ``data``."""
+    envelope = envelope_payload(
+        device_id=device_id,
+        adapter=adapter,
+        base_version=base_version,
+        sha256=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+        num_samples=num_samples,
+        counter=counter,
+        created_at=time.time() if created_at is None else created_at,
+    )
+    return {"envelope": envelope, "signature": sign(key, envelope)}
+
+
+def parse_envelope(candidate: Any) -> dict[str, Any]:
+    """The envelope's fields, type-checked; ValueError naming the first bad field."""
+    if not isinstance(candidate, dict):
+        raise ValueError("the envelope must be a JSON object")
+    if candidate.get("purpose") != ENVELOPE_PURPOSE:
+        raise ValueError(f"the envelope's purpose must be {ENVELOPE_PURPOSE!r}")
+    extra = set(candidate) - set(ENVELOPE_FIELDS) - {"purpose"}
+    if extra:
+        raise ValueError(f"unexpected envelope fields: {sorted(extra)}")
+    checks = {
+        "device_id": lambda v: isinstance(v, str) and 0 < len(v) <= 64,
+        "adapter": lambda v: isinstance(v, str) and 0 < len(v) <= 64,
+        "base_version": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31,
+        "sha256": lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
+        "size": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**62,
+        "num_samples": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31,
+        "counter": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62,
+        "created_at": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+    }
+    for field, ok in checks.items():
+        if field not in candidate:
+            raise ValueError(f"the envelope lacks {field!r}")
+        if not ok(candidate[field]):
+            raise ValueError(f"the envelope's {field!r} is not valid")
+    return dict(candidate)
