@@ -26,6 +26,7 @@ from edge_agent.protocol import (
     PROTOCOL_VERSION,
     CloseCode,
     MessageType,
+    b64decode,
     decode,
     encode,
     hello_payload,
@@ -77,6 +78,27 @@ def _note_agent(device: Device, agent_version: str, hardware: dict | None) -> No
         DeviceEvent.objects.create(device=device, kind=DeviceEvent.Kind.UPDATED, actor_label="device", detail=changes)
 
 
+@database_sync_to_async
+def _delta_begin(device_id: str, message: dict):
+    from training.intake import upload_begin
+
+    device = Device.objects.get(pk=device_id)
+    return upload_begin(
+        device=device,
+        envelope=message.get("envelope"),
+        signature=message.get("signature"),
+        channel="ws",
+        metrics=message.get("metrics"),
+    )
+
+
+@database_sync_to_async
+def _delta_append(device_id: str, sha256: str, offset: int, data: bytes):
+    from training.intake import upload_append
+
+    return upload_append(device=Device.objects.get(pk=device_id), sha256=sha256, offset=offset, data=data, channel="ws")
+
+
 class AgentConsumer(AsyncWebsocketConsumer):
     device_id: str | None = None
 
@@ -121,6 +143,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self.on_hello(message)
             elif kind == MessageType.HEARTBEAT:
                 await self.on_heartbeat(message)
+            elif kind in (MessageType.DELTA_BEGIN, MessageType.DELTA_CHUNK):
+                await self.on_delta(kind, message)
             elif kind == MessageType.ACK:
                 logger.debug("device %s acknowledged %s", self.device_id, message.get("id"))
             else:
@@ -171,6 +195,29 @@ class AgentConsumer(AsyncWebsocketConsumer):
             raise Refused(CloseCode.MALFORMED, "malformed", f"heartbeat: {exc}") from None
         await presence.record_heartbeat(self.device_id, state)
         await self.send(encode(MessageType.HEARTBEAT_ACK, seq=message["seq"], server_time=time.time()))
+
+    async def on_delta(self, kind: str, message: dict) -> None:
+        """Resumable delta upload (``training.intake``): every step answers with where the upload stands."""
+        from training.api.delta_views import upload_state_body
+        from training.intake import UploadRefused
+
+        sha256 = message.get("sha256") or (message.get("envelope") or {}).get("sha256")
+        try:
+            if kind == MessageType.DELTA_BEGIN:
+                state = await _delta_begin(self.device_id, message)
+            else:
+                offset, data = message.get("offset"), message.get("data")
+                if not isinstance(sha256, str) or not isinstance(offset, int) or isinstance(offset, bool):
+                    raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk needs sha256, offset and data")
+                try:
+                    raw = b64decode(data, limit=MAX_MESSAGE_BYTES)
+                except ValueError:
+                    raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk data is not base64url") from None
+                state = await _delta_append(self.device_id, sha256, offset, raw)
+        except UploadRefused as exc:
+            await self.send(encode(MessageType.DELTA_ERROR, sha256=sha256, code=exc.code, message=exc.message))
+            return
+        await self.send(encode(MessageType.DELTA_STATE, **upload_state_body(state)))
 
     async def disconnect(self, code):
         self.closed = True

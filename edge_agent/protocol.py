@@ -22,6 +22,8 @@ AGENT_WS_PATH = "/ws/agent/"
 MAX_MESSAGE_BYTES_BEFORE_AUTH = 4 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024
 HELLO_TIMEOUT_SECONDS = 10
+# Raw bytes per delta_chunk: base64 makes 60,000 characters, inside MAX_MESSAGE_BYTES with the JSON around.
+DELTA_CHUNK_BYTES = 45_000
 
 
 class MessageType:
@@ -33,6 +35,10 @@ class MessageType:
     COMMAND = "command"  # server -> agent: {id, command, args}
     ACK = "ack"  # agent -> server: {id, ok, detail}
     ERROR = "error"  # server -> agent, before a close: {code, message}
+    DELTA_BEGIN = "delta_begin"  # agent -> server: {envelope, signature, metrics}
+    DELTA_CHUNK = "delta_chunk"  # agent -> server: {sha256, offset, data (base64url, <= DELTA_CHUNK_BYTES)}
+    DELTA_STATE = "delta_state"  # server -> agent: {sha256, size, offset, delta_id, state, rejection_code, ...}
+    DELTA_ERROR = "delta_error"  # server -> agent: {sha256, code, message}; the socket stays open
 
 
 class CloseCode:
@@ -54,8 +60,8 @@ def b64encode(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
-def b64decode(text: str) -> bytes:
-    if not isinstance(text, str) or len(text) > 4096:
+def b64decode(text: str, *, limit: int = 4096) -> bytes:
+    if not isinstance(text, str) or len(text) > limit:
         raise ValueError("not a base64 string")
     padded = text + "=" * (-len(text) % 4)
     try:

@@ -10,7 +10,9 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
 
+from fleet.asgi_limits import BodyLimitMiddleware  # noqa: E402
 from fleet.routing import websocket_router  # noqa: E402
 
 # Each open WebSocket keeps ~100 objects tracked by the cyclic GC; with the default thresholds full
@@ -22,7 +24,11 @@ gc.set_threshold(50_000, 20, 100)
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": BodyLimitMiddleware(
+            django_asgi_app,
+            limits=[("/api/v1/device/deltas/", settings.DELTA_MAX_BYTES + 64 * 1024)],
+            default=settings.MAX_REQUEST_BYTES,
+        ),
         "websocket": websocket_router,
     }
 )

@@ -333,3 +333,18 @@ CELERY_BEAT_SCHEDULE["flush-presence"] = {
     "schedule": float(PRESENCE_FLUSH_SECONDS),
     "options": {"expires": PRESENCE_FLUSH_SECONDS},
 }
+
+# --- deltas and rounds ------------------------------------------------------------------------------------
+
+# An upload above DELTA_MAX_BYTES is refused while it streams (fleet.asgi_limits), before the body is read.
+DELTA_MAX_BYTES = env_int("DELTA_MAX_BYTES", 64 * 1024 * 1024, minimum=1024)
+# Partial (resumable) uploads wait here; with several web servers it must be a shared volume.
+DELTA_STAGING_DIR = Path(env_str("DELTA_STAGING_DIR", str(DATA_DIR / "uploads"))).resolve()
+ROUND_CHECK_SECONDS = env_int("ROUND_CHECK_SECONDS", 10, minimum=1)
+CELERY_BEAT_SCHEDULE["close-due-rounds"] = {
+    "task": "training.tasks.close_due_rounds",
+    "schedule": float(ROUND_CHECK_SECONDS),
+    "options": {"expires": ROUND_CHECK_SECONDS},
+}
+# Any other request body (adapter imports, base weights) is refused past this, also while streaming.
+MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 600 * 1024 * 1024, minimum=1024 * 1024)

@@ -205,3 +205,20 @@ def adapter(base_model, make_user):
     from training.services import adapter_create
 
     return adapter_create(name="digits-lora", base_model=base_model, rank=4, alpha=8.0, actor=make_user("admin"))
+
+
+@pytest.fixture
+def device_token(db):
+    """``device_token(enrolled_device)``: a short-lived device API token, through the real signed challenge."""
+    from rest_framework.test import APIClient
+
+    from edge_agent.protocol import sign, token_request_payload
+
+    def make(device):
+        client = APIClient()
+        nonce = client.post("/api/v1/device-auth/challenge/", {"device_id": device.id}, format="json").json()["nonce"]
+        signature = sign(device.key, token_request_payload(nonce=nonce, device_id=device.id))
+        body = {"device_id": device.id, "nonce": nonce, "signature": signature}
+        return client.post("/api/v1/device-auth/token/", body, format="json").json()["token"]
+
+    return make

@@ -46,6 +46,10 @@ class Adapter(models.Model):
     tensor_spec = models.JSONField()
     aggregation = models.JSONField(default=dict, blank=True, help_text="strategy name and parameters")
     dp = models.JSONField(default=dict, blank=True, help_text="server-side DP settings and budget")
+    # Server-side DP spent so far: [[noise_multiplier, sample_rate, steps], ...] as the Opacus RDP accountant
+    # reads it, and the epsilon it gives (at dp["delta"]). Written only by a completed DP round.
+    dp_history = models.JSONField(default=list, blank=True)
+    dp_epsilon = models.FloatField(default=0.0)
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
 
@@ -84,6 +88,10 @@ class AdapterVersion(models.Model):
     note = models.CharField(max_length=200, blank=True)
     metrics = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.CANDIDATE)
+    # The round that made this version; unique, so a round re-run after a crash can never make a second one.
+    round = models.OneToOneField(
+        "training.Round", on_delete=models.PROTECT, null=True, blank=True, related_name="result_version"
+    )
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
 
@@ -193,3 +201,124 @@ class Assignment(models.Model):
 
     def __str__(self) -> str:
         return f"assignment {self.seq} of {self.device_id}: {self.version}"
+
+
+class Round(models.Model):
+    """One aggregation for one adapter: accepted deltas collect here until the buffer holds ``buffer_size``
+    (or the deadline passes with at least ``min_deltas``), then a Celery task turns them into exactly one new
+    AdapterVersion built on ``base_version`` (``AdapterVersion.round`` is unique).
+
+    At most one round per adapter is collecting at a time. States: collecting → aggregating → completed |
+    failed; a failed round can be run again. ``strategy`` and ``params`` are a snapshot of the adapter's
+    aggregation settings when the round opened, so changing the adapter never changes a running round.
+    """
+
+    class State(models.TextChoices):
+        COLLECTING = "collecting"
+        AGGREGATING = "aggregating"
+        COMPLETED = "completed"
+        FAILED = "failed"
+
+    adapter = models.ForeignKey(Adapter, on_delete=models.PROTECT, related_name="rounds")
+    base_version = models.ForeignKey(AdapterVersion, on_delete=models.PROTECT, related_name="rounds_from")
+    strategy = models.CharField(max_length=32)
+    params = models.JSONField(default=dict, blank=True)
+    buffer_size = models.PositiveIntegerField()
+    min_deltas = models.PositiveIntegerField(default=1)
+    deadline = models.DateTimeField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.COLLECTING)
+    close_reason = models.CharField(max_length=32, blank=True)
+    failure = models.TextField(blank=True)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    stats = models.JSONField(default=dict, blank=True)
+    epsilon = models.FloatField(null=True, blank=True, help_text="the adapter's DP epsilon after this round")
+    opened_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["adapter"], condition=models.Q(state="collecting"), name="one_collecting_round_per_adapter"
+            )
+        ]
+        indexes = [models.Index(fields=["state", "deadline"])]
+
+    def __str__(self) -> str:
+        return f"round {self.pk} of {self.adapter.name} on v{self.base_version.number}"
+
+
+class Delta(models.Model):
+    """One upload from one device: the change it made to the adapter, relative to ``base_version``.
+
+    ``sha256`` is what the device's signed envelope claims; ``blob_sha256`` is the hash of the bytes the server
+    actually holds (blank when nothing was stored, as for an oversized upload). A device uploads a given file
+    once (``UNIQUE(device, sha256)``: a repeated upload is acknowledged, never counted twice; a transfer
+    that arrived corrupted does not count as the upload), and a counter
+    once among deltas whose signature verified (``UNIQUE(device, counter) WHERE counter_claimed``, so a forged
+    upload can never burn a real device's counter). States: received → accepted | rejected → aggregated;
+    a rejected delta is kept for forensics with its ``rejection_code`` and never aggregated.
+    """
+
+    class State(models.TextChoices):
+        RECEIVED = "received"
+        ACCEPTED = "accepted"
+        REJECTED = "rejected"
+        AGGREGATED = "aggregated"
+
+    class Channel(models.TextChoices):
+        WEBSOCKET = "ws"
+        REST = "rest"
+
+    device = models.ForeignKey("devices.Device", on_delete=models.CASCADE, related_name="deltas")
+    adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, null=True, blank=True, related_name="deltas")
+    adapter_name = models.CharField(max_length=64)
+    base_version_number = models.PositiveIntegerField()
+    base_version = models.ForeignKey(
+        AdapterVersion, on_delete=models.PROTECT, null=True, blank=True, related_name="deltas_on"
+    )
+    round = models.ForeignKey(Round, on_delete=models.SET_NULL, null=True, blank=True, related_name="deltas")
+    sha256 = models.CharField(max_length=64)
+    blob_sha256 = models.CharField(max_length=64, blank=True)
+    size = models.BigIntegerField()
+    num_samples = models.PositiveIntegerField()
+    counter = models.BigIntegerField()
+    counter_claimed = models.BooleanField(default=False)
+    envelope = models.JSONField()
+    signature = models.CharField(max_length=128)
+    metrics = models.JSONField(default=dict, blank=True)
+    channel = models.CharField(max_length=8, choices=Channel.choices)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.RECEIVED)
+    rejection_code = models.CharField(max_length=32, blank=True)
+    rejection_detail = models.CharField(max_length=500, blank=True)
+    staleness = models.IntegerField(null=True, blank=True)
+    norm = models.FloatField(null=True, blank=True)
+    encoding = models.CharField(max_length=8, blank=True)
+    received_at = models.DateTimeField(default=timezone.now, db_index=True)
+    verified_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-received_at", "-id"]
+        constraints = [
+            # A transfer that arrived corrupted (hash_mismatch) does not take the slot: the device may resend.
+            models.UniqueConstraint(
+                fields=["device", "sha256"],
+                condition=~models.Q(rejection_code="hash_mismatch"),
+                name="unique_delta_file_per_device",
+            ),
+            models.UniqueConstraint(
+                fields=["device", "counter"],
+                condition=models.Q(counter_claimed=True),
+                name="unique_claimed_counter_per_device",
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["round", "state"]),
+            models.Index(fields=["adapter", "state"]),
+            models.Index(fields=["state", "received_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"delta {self.pk} from {self.device_id} ({self.state})"

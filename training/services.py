@@ -233,3 +233,18 @@ def version_export_peft(version: AdapterVersion) -> bytes:
         archive.writestr("adapter_model.safetensors", blob_read(version.blob_sha256))
         archive.writestr("adapter_config.json", json.dumps(config, indent=2))
     return buffer.getvalue()
+
+
+@transaction.atomic
+def adapter_set_aggregation(*, adapter: Adapter, actor, aggregation: dict | None = None, dp: dict | None = None):
+    """Change an adapter's aggregation strategy or DP settings; rounds already open keep their snapshot."""
+    changes = {}
+    if aggregation is not None:
+        changes["aggregation"] = aggregation
+    if dp is not None:
+        changes["dp"] = dp
+    if changes:
+        Adapter.objects.filter(pk=adapter.pk).update(**changes)
+        _record("adapter.aggregation_changed", actor=actor, adapter=adapter, **changes)
+    adapter.refresh_from_db()
+    return adapter

@@ -1,14 +1,74 @@
-from celery import shared_task
+"""Celery tasks: thin. They take ids, load rows, call one service, and tolerate a row that is gone or
+already handled (every service guards its own state), so a redelivered task (``acks_late``) changes
+nothing twice."""
+
+from celery import chord, shared_task
 
 from training.models import Rollout
-from training.rollouts import rollout_tick
 
 
 @shared_task(name="training.tasks.tick_rollouts", ignore_result=True, time_limit=120, soft_time_limit=100)
 def tick_rollouts() -> dict:
     """Advance every running rollout one step (guards, soak, next phase). Safe to run twice at once."""
+    from training.rollouts import rollout_tick
+
     outcomes: dict[str, int] = {}
     for rollout in Rollout.objects.filter(state=Rollout.State.RUNNING).select_related("version__adapter"):
         outcome = rollout_tick(rollout=rollout)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     return outcomes
+
+
+@shared_task(
+    name="training.tasks.verify_delta",
+    ignore_result=True,
+    time_limit=300,
+    soft_time_limit=280,
+    autoretry_for=(ConnectionError,),
+    retry_backoff=2,
+    retry_jitter=True,
+    max_retries=5,
+)
+def verify_delta(delta_id: int) -> str | None:
+    from training.verification import delta_verify
+
+    delta = delta_verify(delta_id=delta_id)
+    return delta.state if delta is not None else None
+
+
+@shared_task(name="training.tasks.aggregate_round", ignore_result=True, time_limit=3600, soft_time_limit=3500)
+def aggregate_round(round_id: int) -> int | None:
+    """Aggregate a closed round: here, or split into a chord of shards when it is large."""
+    from training.aggregation import _round, round_aggregate, round_deltas, shards_of
+
+    round_ = _round(round_id)
+    if round_ is None:
+        return None
+    shards = shards_of(round_, round_deltas(round_))
+    if shards is None:
+        version = round_aggregate(round_id=round_id)
+        return version.pk if version is not None else None
+    chord(aggregate_shard.s(round_id, ids) for ids in shards)(combine_shards.s(round_id))
+    return None
+
+
+@shared_task(name="training.tasks.aggregate_shard", time_limit=3600, soft_time_limit=3500)
+def aggregate_shard(round_id: int, delta_ids: list[int]) -> dict:
+    from training.aggregation import shard_partial
+
+    return shard_partial(round_id=round_id, delta_ids=delta_ids)
+
+
+@shared_task(name="training.tasks.combine_shards", ignore_result=True, time_limit=3600, soft_time_limit=3500)
+def combine_shards(partials: list[dict], round_id: int) -> int | None:
+    from training.aggregation import combine_partials
+
+    version = combine_partials(round_id=round_id, partials=partials)
+    return version.pk if version is not None else None
+
+
+@shared_task(name="training.tasks.close_due_rounds", ignore_result=True, time_limit=120, soft_time_limit=100)
+def close_due_rounds() -> int:
+    from training.rounds import close_due_rounds as close_due
+
+    return close_due()

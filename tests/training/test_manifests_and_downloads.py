@@ -8,7 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.download import DownloadError, download
 from edge_agent.manifest import ManifestRefused, verify_manifest
-from edge_agent.protocol import sign, token_request_payload
+from edge_agent.protocol import sign
 from fleet.server_key import server_public_key_b64
 from training.blobs import blob_read
 from training.manifests import manifest_sign
@@ -68,20 +68,6 @@ def test_a_signed_manifest_is_accepted_and_each_tampering_is_refused_by_code(ver
     assert caught.value.code == "wrong_base_model"
     assert refused("not an envelope") == "malformed"
     assert refused({"manifest": {"purpose": "x"}, "signature": "abc"}) == "malformed"
-
-
-@pytest.fixture
-def device_token(enrolled, live_server):
-    from rest_framework.test import APIClient
-
-    def make(device):
-        client = APIClient()
-        nonce = client.post("/api/v1/device-auth/challenge/", {"device_id": device.id}, format="json").json()["nonce"]
-        signature = sign(device.key, token_request_payload(nonce=nonce, device_id=device.id))
-        body = {"device_id": device.id, "nonce": nonce, "signature": signature}
-        return client.post("/api/v1/device-auth/token/", body, format="json").json()["token"]
-
-    return make
 
 
 @pytest.mark.django_db(transaction=True)

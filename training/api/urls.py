@@ -2,6 +2,7 @@ from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from training.api import views
+from training.api.delta_views import AdapterAggregationView, DeltaViewSet, DeviceDeltaView, RoundViewSet
 from training.api.device_views import DeviceBlobView
 from training.api.rollout_views import DeviceAssignmentReportView, DeviceAssignmentView, RolloutViewSet
 
@@ -10,9 +11,13 @@ router.register("base-models", views.BaseModelViewSet, basename="base-model")
 router.register("adapters", views.AdapterViewSet, basename="adapter")
 router.register("adapter-versions", views.AdapterVersionViewSet, basename="adapter-version")
 router.register("rollouts", RolloutViewSet, basename="rollout")
+router.register("rounds", RoundViewSet, basename="round")
+router.register("deltas", DeltaViewSet, basename="delta")
 
 urlpatterns = [
     path("device/blobs/<str:sha256>/", DeviceBlobView.as_view(), name="device-blob"),
+    path("device/deltas/<str:sha256>/", DeviceDeltaView.as_view(), name="device-delta"),
+    path("adapters/<int:pk>/aggregation/", AdapterAggregationView.as_view(), name="adapter-aggregation"),
     path("device/assignment/", DeviceAssignmentView.as_view(), name="device-assignment"),
     path(
         "device/assignments/<int:assignment_id>/report/",

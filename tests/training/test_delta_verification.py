@@ -1,0 +1,303 @@
+"""Every way a delta can be wrong, through the real REST upload and the verification service: each gets its
+stored rejection code and a readable detail, and nothing of it is ever aggregated."""
+
+import json
+import struct
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from rest_framework.test import APIClient
+from safetensors.torch import save as save_safetensors
+
+from edge_agent.delta import encode_delta, sign_delta
+from edge_agent.protocol import b64encode
+from training.models import Delta
+from training.services import version_create_seeded
+from training.verification import delta_verify
+
+
+@pytest.fixture
+def setup(adapter, cohort, enrolled, device_token):
+    adapter.cohorts.add(cohort)
+    version = version_create_seeded(adapter=adapter, seed=3)
+    device = enrolled("active")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Device {device_token(device)}")
+    return adapter, version, device, client
+
+
+def small_delta(adapter, *, scale=0.01, seed=0, **overrides):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: torch.randn(tuple(entry["shape"]), generator=generator) * scale
+        for name, entry in adapter.tensor_spec.items()
+    }
+    tensors.update(overrides)
+    return tensors
+
+
+def upload(client, data: bytes, signed: dict, **headers):
+    envelope = b64encode(json.dumps(signed["envelope"]).encode())
+    return client.put(
+        f"/api/v1/device/deltas/{signed['envelope']['sha256']}/",
+        data=data,
+        content_type="application/octet-stream",
+        HTTP_X_DELTA_ENVELOPE=envelope,
+        HTTP_X_DELTA_SIGNATURE=signed["signature"],
+        **headers,
+    )
+
+
+def send(setup, data: bytes, *, key=None, counter=1, base_version=1, adapter_name=None, verify=True):
+    adapter, _, device, client = setup
+    signed = sign_delta(
+        key or device.key,
+        data,
+        device_id=device.id,
+        adapter=adapter_name or adapter.name,
+        base_version=base_version,
+        num_samples=32,
+        counter=counter,
+    )
+    response = upload(client, data, signed)
+    assert response.status_code in (200, 201), response.content
+    delta = Delta.objects.get(pk=response.json()["delta_id"])
+    if verify and delta.state == Delta.State.RECEIVED:
+        delta = delta_verify(delta_id=delta.pk)
+    return delta
+
+
+def rejected(delta, code):
+    assert delta.state == Delta.State.REJECTED, (delta.state, delta.rejection_code, delta.rejection_detail)
+    assert delta.rejection_code == code, delta.rejection_detail
+    assert delta.rejection_detail
+    assert delta.round_id is None
+    return delta
+
+
+@pytest.mark.django_db
+def test_a_good_delta_is_accepted_into_a_round_and_a_repeat_upload_is_the_same_delta(setup):
+    adapter, version, device, client = setup
+    data = encode_delta(small_delta(adapter))
+    delta = send(setup, data)
+    assert delta.state == Delta.State.ACCEPTED and delta.round is not None
+    assert delta.round.base_version == version and delta.staleness == 0 and delta.norm > 0
+    again = send(setup, data)
+    assert again.pk == delta.pk and Delta.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_wrong_hash_bad_signature_and_another_devices_key_are_rejected(setup, enrolled):
+    adapter, _, device, client = setup
+    data = encode_delta(small_delta(adapter))
+    signed = sign_delta(
+        device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=1
+    )
+    tampered = bytearray(data)
+    tampered[-1] ^= 0xFF
+    response = upload(client, bytes(tampered), signed)
+    assert response.json()["state"] == "rejected" and response.json()["rejection_code"] == "hash_mismatch"
+
+    forged = sign_delta(
+        Ed25519PrivateKey.generate(),
+        data,
+        device_id=device.id,
+        adapter=adapter.name,
+        base_version=1,
+        num_samples=8,
+        counter=2,
+    )
+    bad = Delta.objects.get(pk=upload(client, data, {**signed, "signature": forged["signature"]}).json()["delta_id"])
+    rejected(delta_verify(delta_id=bad.pk), "bad_signature")
+
+    other = enrolled("active", name="other")
+    rejected(send(setup, encode_delta(small_delta(adapter, seed=5)), key=other.key, counter=3), "bad_signature")
+
+
+@pytest.mark.django_db
+def test_an_envelope_naming_another_device_is_refused_at_the_door(setup, enrolled):
+    adapter, _, _, client = setup
+    other = enrolled("active", name="other")
+    data = encode_delta(small_delta(adapter))
+    signed = sign_delta(
+        other.key, data, device_id=other.id, adapter=adapter.name, base_version=1, num_samples=8, counter=1
+    )
+    response = upload(client, data, signed)
+    assert response.status_code == 403 and response.json()["error"]["code"] == "wrong_device"
+    assert not Delta.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_replayed_counter_is_rejected_but_a_forgery_cannot_burn_a_counter(setup):
+    adapter, _, device, client = setup
+    # A forged upload claiming counter 7 fails its signature and leaves counter 7 free for the device.
+    data = encode_delta(small_delta(adapter, seed=1))
+    signed = sign_delta(
+        Ed25519PrivateKey.generate(),
+        data,
+        device_id=device.id,
+        adapter=adapter.name,
+        base_version=1,
+        num_samples=8,
+        counter=7,
+    )
+    forged = Delta.objects.get(pk=upload(client, data, signed).json()["delta_id"])
+    rejected(delta_verify(delta_id=forged.pk), "bad_signature")
+    assert send(setup, encode_delta(small_delta(adapter, seed=2)), counter=7).state == Delta.State.ACCEPTED
+    replay = send(setup, encode_delta(small_delta(adapter, seed=3)), counter=7)
+    rejected(replay, "replayed_counter")
+
+
+@pytest.mark.django_db
+def test_unknown_revoked_and_too_stale_base_versions_are_rejected(setup, make_user):
+    adapter, version, _, _ = setup
+    rejected(send(setup, encode_delta(small_delta(adapter)), base_version=9, counter=1), "unknown_base_version")
+    for seed in range(4, 9):  # v2..v6: v1 is now 5 versions behind, past the default bound of 4
+        version_create_seeded(adapter=adapter, seed=seed)
+    stale = rejected(
+        send(setup, encode_delta(small_delta(adapter, seed=1)), base_version=1, counter=2), "stale_base_version"
+    )
+    assert "5 versions behind" in stale.rejection_detail
+
+
+@pytest.mark.django_db
+def test_unknown_adapter_and_a_cohort_that_does_not_train_it_are_rejected(setup, enrolled, cohort):
+    adapter, _, _, _ = setup
+    rejected(send(setup, encode_delta(small_delta(adapter)), adapter_name="nope", counter=1), "unknown_adapter")
+    adapter.cohorts.remove(cohort)
+    rejected(send(setup, encode_delta(small_delta(adapter, seed=1)), counter=2), "wrong_cohort")
+
+
+def _with_header(header: dict, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+@pytest.mark.django_db
+def test_header_bombs_and_malformed_files_are_rejected(setup, settings):
+    adapter, _, _, _ = setup
+    bomb = _with_header({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "pad": "a" * (2 * 1024 * 1024)})
+    rejected(send(setup, bomb + b"\0" * 4, counter=1), "header_too_large")
+    lying = struct.pack("<Q", 10**12) + b"{}"
+    rejected(send(setup, lying, counter=2), "malformed")
+    rejected(send(setup, b"not safetensors at all", counter=3), "malformed")
+
+
+@pytest.mark.django_db
+def test_wrong_names_shapes_and_dtypes_are_rejected(setup):
+    adapter, _, _, _ = setup
+    good = small_delta(adapter)
+    name = sorted(good)[0]
+    missing = {k: v for k, v in good.items() if k != name}
+    rejected(send(setup, encode_delta(missing), counter=1), "spec_mismatch")
+    extra = {**good, "base_model.model.evil.weight": torch.zeros(3)}
+    rejected(send(setup, encode_delta(extra), counter=2), "spec_mismatch")
+    reshaped = {**good, name: torch.zeros(tuple(good[name].shape) + (1,))}
+    assert "shape" in rejected(send(setup, encode_delta(reshaped), counter=3), "spec_mismatch").rejection_detail
+    as_f64 = save_safetensors({k: v.double() for k, v in good.items()}, metadata={"encoding": "f32"})
+    rejected(send(setup, as_f64, counter=4), "spec_mismatch")
+
+
+@pytest.mark.django_db
+def test_nan_inf_and_an_update_over_the_norm_bound_are_rejected(setup):
+    adapter, _, _, _ = setup
+    name = sorted(adapter.tensor_spec)[0]
+    shape = tuple(adapter.tensor_spec[name]["shape"])
+    rejected(
+        send(setup, encode_delta(small_delta(adapter, **{name: torch.full(shape, float("nan"))})), counter=1),
+        "not_finite",
+    )
+    rejected(
+        send(setup, encode_delta(small_delta(adapter, **{name: torch.full(shape, float("inf"))})), counter=2),
+        "not_finite",
+    )
+    huge = rejected(send(setup, encode_delta(small_delta(adapter, scale=1e4)), counter=3), "norm_too_large")
+    assert "bound" in huge.rejection_detail
+
+
+@pytest.mark.django_db
+def test_f16_and_int8_deltas_are_accepted(setup):
+    adapter, _, _, _ = setup
+    assert send(setup, encode_delta(small_delta(adapter), encoding="f16"), counter=1).encoding == "f16"
+    assert send(setup, encode_delta(small_delta(adapter, seed=2), encoding="int8"), counter=2).encoding == "int8"
+
+
+@pytest.mark.django_db
+def test_a_quarantined_device_is_rejected(setup):
+    adapter, _, device, _ = setup
+    from devices.models import Device
+
+    delta = send(setup, encode_delta(small_delta(adapter)), verify=False)
+    Device.objects.filter(pk=device.device.pk).update(status="quarantined")  # after upload, before verification
+    rejected(delta_verify(delta_id=delta.pk), "device_not_active")
+
+
+@pytest.mark.django_db
+def test_an_oversized_upload_is_refused_by_its_envelope_and_by_its_bytes(setup, settings):
+    adapter, _, device, client = setup
+    settings.DELTA_MAX_BYTES = 4096
+    data = encode_delta(small_delta(adapter))
+    assert len(data) > 4096
+    delta = send(setup, data, verify=False)
+    rejected(delta, "too_large")
+    assert delta.blob_sha256 == ""  # nothing was stored
+    # A device that declares a small size and sends more is cut off at the declared size.
+    small = encode_delta({k: v[:1] for k, v in small_delta(adapter).items()})
+    signed = sign_delta(
+        device.key, small, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=9
+    )
+    response = upload(client, small + b"x" * 100, signed)
+    assert response.json()["rejection_code"] == "too_large"
+
+
+@pytest.mark.django_db
+def test_resuming_an_upload_continues_from_the_servers_offset(setup):
+    adapter, _, device, client = setup
+    data = encode_delta(small_delta(adapter))
+    signed = sign_delta(
+        device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=1
+    )
+    size = len(data)
+    first = upload(client, data[:1000], signed, HTTP_CONTENT_RANGE=f"bytes 0-999/{size}")
+    assert first.status_code == 200 and first.json()["offset"] == 1000 and first.json()["state"] == "uploading"
+    state = client.get(f"/api/v1/device/deltas/{signed['envelope']['sha256']}/").json()
+    assert state["offset"] == 1000
+    wrong = upload(client, data[500:], signed, HTTP_CONTENT_RANGE=f"bytes 500-{size - 1}/{size}")
+    assert wrong.status_code == 409 and wrong.json()["error"]["code"] == "wrong_offset"
+    rest = upload(client, data[1000:], signed, HTTP_CONTENT_RANGE=f"bytes 1000-{size - 1}/{size}")
+    assert rest.status_code == 201 and rest.json()["state"] == "received"
+    assert Delta.objects.get().blob_sha256 == signed["envelope"]["sha256"]
+
+
+@pytest.mark.django_db
+def test_malformed_envelopes_are_refused_and_store_nothing(setup):
+    adapter, _, device, client = setup
+    data = encode_delta(small_delta(adapter))
+    signed = sign_delta(
+        device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=1
+    )
+    for broken in (
+        {**signed["envelope"], "num_samples": -1},
+        {**signed["envelope"], "counter": "1"},
+        {**signed["envelope"], "extra": 1},
+        {k: v for k, v in signed["envelope"].items() if k != "base_version"},
+    ):
+        response = upload(client, data, {"envelope": broken, "signature": signed["signature"]})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "malformed_envelope"
+    garbage = client.put(
+        f"/api/v1/device/deltas/{signed['envelope']['sha256']}/",
+        data=data,
+        content_type="application/octet-stream",
+        HTTP_X_DELTA_ENVELOPE="!!!",
+    )
+    assert garbage.status_code == 400
+    assert (
+        APIClient()
+        .put(
+            f"/api/v1/device/deltas/{signed['envelope']['sha256']}/", data=data, content_type="application/octet-stream"
+        )
+        .status_code
+        == 401
+    )
+    assert not Delta.objects.exists()

@@ -1,0 +1,218 @@
+"""Turning a closed round into exactly one new AdapterVersion (run by Celery workers).
+
+``round_aggregate`` is idempotent: it acts only on a round that is ``aggregating`` and has no version yet,
+and the version row is unique per round, so a task run again after a worker was killed (``acks_late``)
+either finishes the job or finds it done. Large rounds of a shardable strategy are split into shards of
+``shard_size`` deltas whose partial sums are computed by separate tasks (a Celery chord) and combined in
+shard order; one worker computes the very same shards in the same order, so the result is identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from contextlib import ExitStack
+
+import torch
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from training.aggregation_settings import dp_settings
+from training.blobs import blob_local_path, blob_put_bytes, blob_read
+from training.models import Adapter, AdapterVersion, Delta, Round
+from training.services import _next_number, _record
+from training.strategies import DeltaInput, get_strategy
+
+logger = logging.getLogger(__name__)
+
+
+class AggregationFailed(Exception):
+    pass
+
+
+def _round(round_id: int) -> Round | None:
+    return (
+        Round.objects.select_related("adapter__base_model", "base_version")
+        .filter(pk=round_id, state=Round.State.AGGREGATING)
+        .first()
+    )
+
+
+def round_deltas(round_: Round) -> list[Delta]:
+    return list(round_.deltas.filter(state=Delta.State.ACCEPTED).select_related("base_version").order_by("id"))
+
+
+def _params(round_: Round) -> dict:
+    params = dict(round_.params)
+    if "dp" in params:  # fresh noise every run: a stored or derivable seed would let anyone subtract it
+        params["dp"] = {**params["dp"], "seed": secrets.randbits(62)}
+    return params
+
+
+def _inputs(stack: ExitStack, round_: Round, deltas: list[Delta]) -> list[DeltaInput]:
+    return [
+        DeltaInput(
+            path=stack.enter_context(blob_local_path(delta.blob_sha256)),
+            num_samples=delta.num_samples,
+            staleness=max(0, round_.base_version.number - delta.base_version.number),
+            norm=delta.norm,
+        )
+        for delta in deltas
+    ]
+
+
+def _base_tensors(round_: Round) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in load_safetensors(blob_read(round_.base_version.blob_sha256)).items()}
+
+
+def shards_of(round_: Round, deltas: list[Delta]) -> list[list[int]] | None:
+    """Delta ids per shard when the round is worth splitting across workers, else None."""
+    strategy = get_strategy(round_.strategy)
+    size = int(round_.params.get("shard_size", 64))
+    if not strategy.shardable or len(deltas) <= size:
+        return None
+    ids = [delta.pk for delta in deltas]
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def shard_partial(*, round_id: int, delta_ids: list[int]) -> dict:
+    """One shard's partial sum, stored as a blob (float64): ``{"sha256", "weight"}``. DP noise, when on, is
+    added once, to the combined sum."""
+    round_ = Round.objects.select_related("adapter", "base_version").get(pk=round_id)
+    deltas = list(Delta.objects.filter(pk__in=delta_ids).select_related("base_version").order_by("id"))
+    strategy = get_strategy(round_.strategy)
+    params = dict(round_.params)
+    with ExitStack() as stack:
+        sums, weight = strategy.partial(
+            _inputs(stack, round_, deltas), spec=round_.adapter.tensor_spec, base=_base_tensors(round_), params=params
+        )
+    blob = blob_put_bytes(save_safetensors({k: v.contiguous() for k, v in sorted(sums.items())}))
+    return {"sha256": blob.sha256, "weight": weight}
+
+
+def combine_partials(*, round_id: int, partials: list[dict], seed: int | None = None) -> AdapterVersion | None:
+    round_ = _round(round_id)
+    if round_ is None:
+        return None
+    strategy = get_strategy(round_.strategy)
+    params = dict(round_.params)
+    if "dp" in params:
+        params["dp"] = {**params["dp"], "seed": seed if seed is not None else secrets.randbits(62)}
+    base = _base_tensors(round_)
+    loaded = [(load_safetensors(blob_read(p["sha256"])), float(p["weight"])) for p in partials]
+    started = time.monotonic()
+    delta = strategy.combine(loaded, spec=round_.adapter.tensor_spec, base=base, params=params)
+    return _finish(round_, base, delta, round_deltas(round_), started, shards=len(partials))
+
+
+def round_aggregate(*, round_id: int) -> AdapterVersion | None:
+    """Aggregate a closed round on this worker (all shards in order). None when there is nothing to do."""
+    round_ = _round(round_id)
+    if round_ is None:
+        return None
+    existing = AdapterVersion.objects.filter(round=round_).first()
+    if existing is not None:  # a previous run made the version but died before marking the round
+        Round.objects.filter(pk=round_.pk, state=Round.State.AGGREGATING).update(
+            state=Round.State.COMPLETED, completed_at=timezone.now()
+        )
+        return existing
+    Round.objects.filter(pk=round_.pk).update(attempts=round_.attempts + 1)
+    deltas = round_deltas(round_)
+    if not deltas:
+        return _fail(round_, "the round holds no accepted deltas")
+    started = time.monotonic()
+    try:
+        strategy = get_strategy(round_.strategy)
+        base = _base_tensors(round_)
+        with ExitStack() as stack:
+            delta = strategy.aggregate(
+                _inputs(stack, round_, deltas), spec=round_.adapter.tensor_spec, base=base, params=_params(round_)
+            )
+    except (ValueError, LookupError, OSError) as exc:
+        return _fail(round_, f"{type(exc).__name__}: {exc}")
+    return _finish(round_, base, delta, deltas, started)
+
+
+def _fail(round_: Round, reason: str) -> None:
+    from training.live import round_event
+
+    changed = Round.objects.filter(pk=round_.pk, state=Round.State.AGGREGATING).update(
+        state=Round.State.FAILED, failure=reason[:2000]
+    )
+    if changed:
+        round_.refresh_from_db()
+        _record("round.failed", actor=None, adapter=round_.adapter, round=round_.pk, reason=reason[:300])
+        round_event(round_, kind="round.failed", failure=reason[:300])
+    logger.warning("round %s failed: %s", round_.pk, reason)
+    return None
+
+
+def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started: float, shards: int = 1):
+    from training.evaluation import evaluate_tensors
+    from training.live import round_event
+
+    new = {name: (base[name] + delta[name].float()).contiguous() for name in sorted(base)}
+    bad = [name for name, tensor in new.items() if not bool(torch.isfinite(tensor).all())]
+    if bad:
+        return _fail(round_, f"the aggregate holds NaN or infinite values in {bad[:3]}")
+    blob = blob_put_bytes(save_safetensors(new))
+    metrics = evaluate_tensors(round_.adapter, new)
+    seconds = time.monotonic() - started
+    stats = {
+        "deltas": len(deltas),
+        "samples": sum(d.num_samples for d in deltas),
+        "devices": len({d.device_id for d in deltas}),
+        "max_staleness": max((d.staleness or 0) for d in deltas),
+        "update_norm": float(torch.sqrt(sum(t.double().square().sum() for t in delta.values()))),
+        "seconds": round(seconds, 3),
+        "shards": shards,
+    }
+    with transaction.atomic():
+        locked = Round.objects.select_for_update().filter(pk=round_.pk, state=Round.State.AGGREGATING).first()
+        if locked is None:
+            return AdapterVersion.objects.filter(round=round_).first()
+        try:
+            with transaction.atomic():
+                version = AdapterVersion.objects.create(
+                    adapter=round_.adapter,
+                    number=_next_number(round_.adapter),
+                    parent=round_.base_version,
+                    blob_sha256=blob.sha256,
+                    size=blob.size,
+                    source=AdapterVersion.Source.ROUND,
+                    round=round_,
+                    metrics=metrics,
+                    note=f"round {round_.pk}: {round_.strategy} over {len(deltas)} deltas",
+                )
+        except IntegrityError:
+            return AdapterVersion.objects.filter(round=round_).first()
+        Delta.objects.filter(pk__in=[d.pk for d in deltas], state=Delta.State.ACCEPTED).update(
+            state=Delta.State.AGGREGATED
+        )
+        epsilon = _spend_dp(round_) if "dp" in round_.params else None
+        Round.objects.filter(pk=round_.pk).update(
+            state=Round.State.COMPLETED, completed_at=timezone.now(), stats=stats, epsilon=epsilon, failure=""
+        )
+        _record("round.completed", actor=None, adapter=round_.adapter, version=version, round=round_.pk, **stats)
+        round_.refresh_from_db()
+        transaction.on_commit(
+            lambda: round_event(round_, kind="round.completed", deltas=len(deltas), result_version=version.number)
+        )
+    logger.info("round %s made %s from %d deltas in %.2fs", round_.pk, version, len(deltas), seconds)
+    return version
+
+
+def _spend_dp(round_: Round) -> float:
+    from training.rounds import dp_sample_rate
+    from training.strategies.dp import dp_epsilon
+
+    adapter = Adapter.objects.select_for_update().get(pk=round_.adapter_id)
+    dp = dp_settings(adapter)
+    step = [float(round_.params["dp"]["noise_multiplier"]), dp_sample_rate(adapter, round_.buffer_size), 1]
+    history = [*adapter.dp_history, step]
+    epsilon = dp_epsilon([tuple(s) for s in history], dp["delta"])
+    Adapter.objects.filter(pk=adapter.pk).update(dp_history=history, dp_epsilon=epsilon)
+    return epsilon

@@ -1,0 +1,111 @@
+from rest_framework import serializers
+
+from training.aggregation_settings import validate_aggregation, validate_dp
+from training.models import Adapter, Delta, Round
+
+
+class DeltaSerializer(serializers.ModelSerializer):
+    device_name = serializers.CharField(source="device.name", read_only=True)
+    base_version = serializers.IntegerField(source="base_version_number", read_only=True)
+
+    class Meta:
+        model = Delta
+        fields = [
+            "id",
+            "device",
+            "device_name",
+            "adapter_name",
+            "base_version",
+            "round",
+            "sha256",
+            "size",
+            "num_samples",
+            "counter",
+            "channel",
+            "encoding",
+            "state",
+            "rejection_code",
+            "rejection_detail",
+            "staleness",
+            "norm",
+            "metrics",
+            "received_at",
+            "verified_at",
+        ]
+        read_only_fields = fields
+
+
+class RoundSerializer(serializers.ModelSerializer):
+    adapter = serializers.CharField(source="adapter.name", read_only=True)
+    base_version = serializers.IntegerField(source="base_version.number", read_only=True)
+    result_version = serializers.SerializerMethodField()
+    accepted = serializers.IntegerField(read_only=True, default=None)
+    rejected = serializers.IntegerField(read_only=True, default=None)
+
+    class Meta:
+        model = Round
+        fields = [
+            "id",
+            "adapter",
+            "base_version",
+            "strategy",
+            "params",
+            "buffer_size",
+            "min_deltas",
+            "deadline",
+            "state",
+            "close_reason",
+            "failure",
+            "attempts",
+            "stats",
+            "epsilon",
+            "accepted",
+            "rejected",
+            "result_version",
+            "created_at",
+            "closed_at",
+            "completed_at",
+        ]
+        read_only_fields = fields
+
+    def get_result_version(self, round_) -> int | None:
+        version = getattr(round_, "result_version", None)
+        return version.number if version is not None else None
+
+
+class RoundOpenSerializer(serializers.Serializer):
+    adapter = serializers.SlugRelatedField(slug_field="name", queryset=Adapter.objects.all())
+    buffer_size = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
+    min_deltas = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
+    timeout_seconds = serializers.IntegerField(min_value=1, max_value=30 * 24 * 3600, required=False)
+
+
+class AggregationConfigSerializer(serializers.Serializer):
+    aggregation = serializers.JSONField(required=False, help_text="strategy and its parameters (only what changes)")
+    dp = serializers.JSONField(required=False, help_text="server-side DP settings and epsilon budget")
+
+    def validate_aggregation(self, value):
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON object")
+        try:
+            return validate_aggregation(value)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+
+    def validate_dp(self, value):
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON object")
+        try:
+            return validate_dp(value)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+
+
+class DeviceDeltaStateSerializer(serializers.Serializer):
+    sha256 = serializers.CharField()
+    size = serializers.IntegerField()
+    offset = serializers.IntegerField(help_text="bytes the server holds; continue from here")
+    delta_id = serializers.IntegerField(allow_null=True)
+    state = serializers.CharField(help_text="uploading, received, accepted, rejected or aggregated")
+    rejection_code = serializers.CharField(allow_blank=True)
+    rejection_detail = serializers.CharField(allow_blank=True)

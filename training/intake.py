@@ -1,0 +1,226 @@
+"""Receiving delta uploads, over the agent WebSocket or REST: resumable, size-limited, idempotent.
+
+An upload is named by the sha256 its signed envelope claims. ``upload_begin`` answers where to (re)start:
+the existing delta when this device already uploaded that file (a repeat is acknowledged, never counted
+twice), else the bytes already staged. ``upload_append`` adds bytes at exactly that offset, refusing
+anything past the declared size or the server's limit, and on the last byte stores the file by hash,
+creates the ``Delta`` row (state ``received``) and enqueues its verification. Everything about trusting the
+contents happens later, in the Celery worker (``training.verification``).
+
+Partial files live in ``DELTA_STAGING_DIR/<device>/<sha256>.part`` with the envelope beside them; a lock per
+file keeps two connections of one device from interleaving writes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from edge_agent.delta import parse_envelope
+from training.blobs import blob_put_file
+from training.models import Delta
+
+logger = logging.getLogger(__name__)
+MAX_STAGED_PER_DEVICE = 4
+
+
+class UploadRefused(Exception):
+    """Refused at the door: nothing is stored. ``code`` is stable; ``status`` is the HTTP status."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+
+@dataclass(frozen=True)
+class UploadState:
+    sha256: str
+    size: int
+    offset: int
+    delta: Delta | None = None  # set once the file is complete (or was refused with a stored rejection)
+
+
+def _staging(device_id, sha256: str) -> tuple[Path, Path]:
+    folder = Path(settings.DELTA_STAGING_DIR) / str(device_id)
+    return folder / f"{sha256}.part", folder / f"{sha256}.json"
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _existing(device, sha256: str) -> Delta | None:
+    return Delta.objects.filter(device=device, sha256=sha256).exclude(rejection_code="hash_mismatch").first()
+
+
+def _row(device, envelope: dict, signature: str, channel: str, **fields) -> Delta:
+    """Insert the delta row; a concurrent insert of the same file by the same device wins and is returned."""
+    try:
+        with transaction.atomic():
+            return Delta.objects.create(
+                device=device,
+                adapter_name=envelope["adapter"],
+                base_version_number=envelope["base_version"],
+                sha256=envelope["sha256"],
+                size=envelope["size"],
+                num_samples=envelope["num_samples"],
+                counter=envelope["counter"],
+                envelope=envelope,
+                signature=signature,
+                channel=channel,
+                **fields,
+            )
+    except IntegrityError:
+        return _existing(device, envelope["sha256"])
+
+
+def _parse(device, envelope, signature) -> dict:
+    try:
+        envelope = parse_envelope(envelope)
+    except ValueError as exc:
+        raise UploadRefused("malformed_envelope", str(exc)) from None
+    if not isinstance(signature, str) or not 0 < len(signature) <= 128:
+        raise UploadRefused("malformed_envelope", "the upload needs the envelope's signature (base64url)")
+    if envelope["device_id"] != str(device.pk):
+        raise UploadRefused("wrong_device", "the envelope names another device; a device uploads only as itself", 403)
+    return envelope
+
+
+def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | None = None) -> UploadState:
+    """Where this upload stands: done (its delta), or the offset to continue from (0 for a new one)."""
+    envelope = _parse(device, envelope, signature)
+    sha256, size = envelope["sha256"], envelope["size"]
+    existing = _existing(device, sha256)
+    if existing is not None:
+        return UploadState(sha256, size, size, existing)
+    if size > settings.DELTA_MAX_BYTES:
+        delta = _row(
+            device,
+            envelope,
+            signature,
+            channel,
+            state=Delta.State.REJECTED,
+            rejection_code="too_large",
+            rejection_detail=f"the delta is {size} bytes; the limit is {settings.DELTA_MAX_BYTES}",
+        )
+        _announce(delta)
+        return UploadState(sha256, size, size, delta)
+    part, meta = _staging(device.pk, sha256)
+    with _locked(part):
+        if not part.exists():
+            staged = list(part.parent.glob("*.part"))
+            if len(staged) >= MAX_STAGED_PER_DEVICE:
+                raise UploadRefused(
+                    "too_many_uploads", f"this device has {len(staged)} unfinished uploads; finish or wait", 429
+                )
+            part.touch()
+        meta.write_text(json.dumps({"envelope": envelope, "signature": signature, "metrics": _metrics(metrics)}))
+        offset = part.stat().st_size
+    if offset > size:  # cannot happen through upload_append; a stray file is discarded
+        part.unlink(missing_ok=True)
+        offset = 0
+    return UploadState(sha256, size, offset)
+
+
+def _metrics(metrics) -> dict:
+    if not isinstance(metrics, dict) or len(json.dumps(metrics, default=str)) > 2000:
+        return {}
+    return {str(k)[:40]: v for k, v in metrics.items() if isinstance(v, int | float | str) and not isinstance(v, bool)}
+
+
+def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str) -> UploadState:
+    """Append ``data`` at ``offset``; on the last byte, store the file and create the delta row."""
+    existing = _existing(device, sha256)
+    if existing is not None:
+        return UploadState(sha256, existing.size, existing.size, existing)
+    part, meta = _staging(device.pk, sha256)
+    with _locked(part):
+        if not meta.exists() or not part.exists():
+            raise UploadRefused("unknown_upload", "no upload of this file was begun; send the envelope first", 404)
+        staged = json.loads(meta.read_text())
+        envelope, size = staged["envelope"], staged["envelope"]["size"]
+        have = part.stat().st_size
+        if offset != have:
+            raise UploadRefused("wrong_offset", f"the server holds {have} bytes of this file; continue from there", 409)
+        if have + len(data) > size:
+            part.unlink(missing_ok=True)
+            meta.unlink(missing_ok=True)
+            delta = _row(
+                device,
+                envelope,
+                staged["signature"],
+                channel,
+                state=Delta.State.REJECTED,
+                rejection_code="too_large",
+                rejection_detail=f"more than the {size} bytes the envelope declares were sent",
+            )
+            _announce(delta)
+            return UploadState(sha256, size, size, delta)
+        with open(part, "ab") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        have += len(data)
+        if have < size:
+            return UploadState(sha256, size, have)
+        delta = _finish(device, part, staged, channel)
+        part.unlink(missing_ok=True)
+        meta.unlink(missing_ok=True)
+    return UploadState(sha256, size, size, delta)
+
+
+def _finish(device, part: Path, staged: dict, channel: str) -> Delta:
+    envelope = staged["envelope"]
+    digest = hashlib.sha256()
+    with open(part, "rb") as handle:
+        while chunk := handle.read(1024 * 1024):
+            digest.update(chunk)
+        actual = digest.hexdigest()
+        handle.seek(0)
+        blob = blob_put_file(handle)  # kept even when the hash is wrong: rejected deltas stay for forensics
+    fields: dict = {"blob_sha256": blob.sha256, "metrics": staged.get("metrics") or {}}
+    if actual != envelope["sha256"]:
+        fields.update(
+            state=Delta.State.REJECTED,
+            rejection_code="hash_mismatch",
+            rejection_detail=f"the bytes hash to {actual[:16]}…, the signed envelope says {envelope['sha256'][:16]}…",
+        )
+    delta = _row(device, envelope, staged["signature"], channel, **fields)
+    if delta.state == Delta.State.RECEIVED:
+        from training.tasks import verify_delta
+
+        transaction.on_commit(lambda: verify_delta.delay(delta.pk))
+    _announce(delta)
+    return delta
+
+
+def upload_whole(*, device, envelope, signature, data_chunks, channel: str, metrics=None) -> UploadState:
+    """A whole (or resumed, from ``data_chunks``' first offset) upload in one call, for REST."""
+    state = upload_begin(device=device, envelope=envelope, signature=signature, channel=channel, metrics=metrics)
+    for offset, chunk in data_chunks(state.offset):
+        if state.delta is not None:
+            break
+        state = upload_append(device=device, sha256=state.sha256, offset=offset, data=chunk, channel=channel)
+    return state
+
+
+def _announce(delta: Delta) -> None:
+    from training.live import delta_event
+
+    transaction.on_commit(lambda: delta_event(delta))

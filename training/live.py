@@ -1,0 +1,71 @@
+"""Live events about deltas and rounds for open dashboards (typed payloads, through ``frontend.live``).
+
+Also tells the device how its delta ended, over its socket when it is connected (``devices.push``); a
+device that is offline reads the outcome over REST (``GET /api/v1/device/deltas/<sha256>/``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from frontend.live import LiveEvent, publish
+
+logger = logging.getLogger(__name__)
+
+
+def delta_payload(delta) -> dict:
+    return {
+        "id": delta.pk,
+        "device": str(delta.device_id),
+        "adapter": delta.adapter_name,
+        "base_version": delta.base_version_number,
+        "sha256": delta.sha256,
+        "state": delta.state,
+        "rejection_code": delta.rejection_code,
+        "rejection_detail": delta.rejection_detail,
+        "round": delta.round_id,
+    }
+
+
+def delta_event(delta) -> None:
+    kind = {"received": "delta.received", "rejected": "delta.rejected"}.get(delta.state, "delta.verified")
+    publish(LiveEvent(kind=kind, data=delta_payload(delta)))
+    if delta.state in ("accepted", "rejected"):
+        _tell_device(delta)
+
+
+def _tell_device(delta) -> None:
+    from devices.push import device_command
+
+    try:
+        device_command(
+            str(delta.device_id),
+            command_id=f"delta-{delta.pk}",
+            command="delta_result",
+            args={
+                "sha256": delta.sha256,
+                "delta_id": delta.pk,
+                "state": delta.state,
+                "code": delta.rejection_code,
+                "detail": delta.rejection_detail,
+            },
+        )
+    except Exception:  # the device reads the outcome over REST when it could not be told
+        logger.warning("could not tell device %s about delta %s", delta.device_id, delta.pk, exc_info=True)
+
+
+def round_event(round_, kind: str = "round.progress", **extra) -> None:
+    publish(
+        LiveEvent(
+            kind=kind,
+            data={
+                "id": round_.pk,
+                "adapter": round_.adapter.name,
+                "state": round_.state,
+                "deltas": extra.pop("deltas", None),
+                "buffer_size": round_.buffer_size,
+                "result_version": extra.pop("result_version", None),
+                **extra,
+            },
+        )
+    )

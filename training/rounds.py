@@ -1,0 +1,220 @@
+"""Rounds: collecting accepted deltas and closing them for aggregation (DESIGN.md "Aggregation").
+
+Every change to a round happens under a row lock on it, so deltas racing a close land either in the
+closing round (before the close) or in the next one (after it): none lost, none counted twice. Closing
+hands the round to a Celery task (``training.aggregation``) through ``transaction.on_commit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from devices.models import Device, DeviceStatus
+from fleet.api.errors import ApiError
+from training.aggregation_settings import STRATEGY_PARAMS, aggregation_settings, dp_settings
+from training.models import Adapter, AdapterVersion, Delta, Round
+from training.services import _record
+
+
+def newest_version(adapter: Adapter) -> AdapterVersion | None:
+    return adapter.versions.exclude(state=AdapterVersion.State.REVOKED).order_by("-number").first()
+
+
+def dp_sample_rate(adapter: Adapter, buffer_size: int) -> float:
+    rate = dp_settings(adapter)["sample_rate"]
+    if rate is not None:
+        return float(rate)
+    fleet = Device.objects.filter(cohort__in=adapter.cohorts.all(), status=DeviceStatus.ACTIVE).count()
+    return min(1.0, buffer_size / max(fleet, 1))
+
+
+def dp_epsilon_after_round(adapter: Adapter, buffer_size: int) -> float:
+    from training.strategies.dp import epsilon_if_round_runs
+
+    dp = dp_settings(adapter)
+    history = [tuple(step) for step in adapter.dp_history]
+    return epsilon_if_round_runs(history, dp["noise_multiplier"], dp_sample_rate(adapter, buffer_size), dp["delta"])
+
+
+def _check_dp_budget(adapter: Adapter, buffer_size: int) -> None:
+    dp = dp_settings(adapter)
+    if not dp["enabled"]:
+        return
+    after = dp_epsilon_after_round(adapter, buffer_size)
+    if after > dp["epsilon_budget"]:
+        raise ApiError(
+            "dp_budget_exhausted",
+            f"another round would bring {adapter.name}'s epsilon from {adapter.dp_epsilon:.3g} to {after:.3g}, "
+            f"past its budget of {dp['epsilon_budget']:.3g}; no round starts",
+            status_code=409,
+            details={"epsilon": adapter.dp_epsilon, "epsilon_after": after, "budget": dp["epsilon_budget"]},
+        )
+
+
+def _params(adapter: Adapter) -> dict:
+    settings_ = aggregation_settings(adapter)
+    params = {name: settings_[name] for name in STRATEGY_PARAMS if settings_[name] is not None}
+    dp = dp_settings(adapter)
+    if dp["enabled"]:
+        params["dp"] = {"clip": dp["clip"], "noise_multiplier": dp["noise_multiplier"]}
+    return params
+
+
+def round_open(
+    *,
+    adapter: Adapter,
+    actor=None,
+    buffer_size: int | None = None,
+    min_deltas: int | None = None,
+    timeout_seconds: int | None = None,
+) -> Round:
+    """Open the adapter's collecting round on its newest version, adopting accepted deltas that wait for one.
+
+    Refused when a round is already collecting, the adapter has no version, or server-side DP would pass
+    the adapter's epsilon budget (that refusal is recorded as an event, so it is visible)."""
+    try:
+        with transaction.atomic():
+            return _round_create(
+                adapter=adapter,
+                actor=actor,
+                buffer_size=buffer_size,
+                min_deltas=min_deltas,
+                timeout_seconds=timeout_seconds,
+            )
+    except ApiError as refusal:
+        if refusal.error_code == "dp_budget_exhausted":
+            _record("round.refused", actor=actor, adapter=adapter, code=refusal.error_code, message=refusal.message)
+        raise
+
+
+def _round_create(*, adapter, actor, buffer_size, min_deltas, timeout_seconds) -> Round:
+    Adapter.objects.select_for_update().filter(pk=adapter.pk).first()
+    adapter.refresh_from_db()
+    settings_ = aggregation_settings(adapter)
+    if adapter.rounds.filter(state=Round.State.COLLECTING).exists():
+        raise ApiError("round_already_open", f"{adapter.name} already has a collecting round", status_code=409)
+    base = newest_version(adapter)
+    if base is None:
+        raise ApiError("no_version", f"{adapter.name} has no version to build on; seed or import one", status_code=409)
+    buffer_size = buffer_size or settings_["buffer_size"]
+    min_deltas = min(min_deltas or settings_["min_deltas"], buffer_size)
+    _check_dp_budget(adapter, buffer_size)
+    round_ = Round.objects.create(
+        adapter=adapter,
+        base_version=base,
+        strategy=settings_["strategy"],
+        params=_params(adapter),
+        buffer_size=buffer_size,
+        min_deltas=min_deltas,
+        deadline=timezone.now() + timedelta(seconds=timeout_seconds or settings_["round_timeout_seconds"]),
+        opened_by=actor,
+    )
+    _record("round.opened", actor=actor, adapter=adapter, round=round_.pk, base_version=base.number)
+    waiting = Delta.objects.filter(adapter=adapter, state=Delta.State.ACCEPTED, round__isnull=True)
+    waiting.filter(pk__in=list(waiting.order_by("id").values_list("pk", flat=True)[:buffer_size])).update(round=round_)
+    _close_if_due(round_)
+    return round_
+
+
+def _collecting(adapter_id: int) -> Round | None:
+    return Round.objects.select_for_update().filter(adapter_id=adapter_id, state=Round.State.COLLECTING).first()
+
+
+def round_admit(*, delta: Delta) -> Round | None:
+    """Put a just-accepted delta into its adapter's collecting round (opening one if the adapter wants
+    rounds opened automatically), and close the round when it is full. Runs inside the caller's transaction."""
+    round_ = _collecting(delta.adapter_id)
+    if round_ is None:
+        if not aggregation_settings(delta.adapter)["auto_rounds"]:
+            return None
+        # Another worker may open it first, or DP may refuse (recorded); then the delta waits for a round.
+        with contextlib.suppress(ApiError, IntegrityError):
+            round_open(adapter=delta.adapter)
+        round_ = _collecting(delta.adapter_id)
+        if round_ is None:
+            return None
+        if Delta.objects.filter(pk=delta.pk, round=round_).exists():
+            return round_  # adopted while opening
+    Delta.objects.filter(pk=delta.pk).update(round=round_)
+    _close_if_due(round_)
+    return round_
+
+
+def _accepted_count(round_: Round) -> int:
+    return round_.deltas.filter(state=Delta.State.ACCEPTED).count()
+
+
+def _close_if_due(round_: Round) -> bool:
+    count = _accepted_count(round_)
+    if count >= round_.buffer_size:
+        return _close(round_, "buffer_full", count)
+    if round_.deadline and round_.deadline <= timezone.now() and count >= round_.min_deltas:
+        return _close(round_, "deadline", count)
+    _progress(round_, count)
+    return False
+
+
+def _progress(round_: Round, count: int) -> None:
+    from training.live import round_event
+
+    transaction.on_commit(lambda: round_event(round_, deltas=count))
+
+
+def _close(round_: Round, reason: str, count: int, actor=None) -> bool:
+    changed = Round.objects.filter(pk=round_.pk, state=Round.State.COLLECTING).update(
+        state=Round.State.AGGREGATING, close_reason=reason, closed_at=timezone.now()
+    )
+    if not changed:
+        return False
+    round_.refresh_from_db()
+    _record("round.closed", actor=actor, adapter=round_.adapter, round=round_.pk, reason=reason, deltas=count)
+    from training.tasks import aggregate_round
+
+    transaction.on_commit(lambda: aggregate_round.delay(round_.pk))
+    _progress(round_, count)
+    return True
+
+
+@transaction.atomic
+def round_close(*, round_: Round, actor) -> Round:
+    """An operator closes a collecting round now (it needs at least one accepted delta)."""
+    locked = Round.objects.select_for_update().get(pk=round_.pk)
+    if locked.state != Round.State.COLLECTING:
+        raise ApiError("invalid_transition", f"the round is {locked.state}, not collecting", status_code=409)
+    count = _accepted_count(locked)
+    if count == 0:
+        raise ApiError("round_empty", "the round has no accepted deltas yet", status_code=409)
+    _close(locked, "manual", count, actor=actor)
+    locked.refresh_from_db()
+    return locked
+
+
+@transaction.atomic
+def round_rerun(*, round_: Round, actor) -> Round:
+    """Run a failed round's aggregation again, on the same deltas."""
+    locked = Round.objects.select_for_update().get(pk=round_.pk)
+    if locked.state != Round.State.FAILED:
+        raise ApiError("invalid_transition", f"only a failed round runs again; this one is {locked.state}", 409)
+    Round.objects.filter(pk=locked.pk).update(state=Round.State.AGGREGATING, failure="")
+    _record("round.rerun", actor=actor, adapter=locked.adapter, round=locked.pk)
+    from training.tasks import aggregate_round
+
+    transaction.on_commit(lambda: aggregate_round.delay(locked.pk))
+    locked.refresh_from_db()
+    return locked
+
+
+def close_due_rounds() -> int:
+    """Close every collecting round past its deadline that has its minimum (beat calls this)."""
+    closed = 0
+    due = Round.objects.filter(state=Round.State.COLLECTING, deadline__lte=timezone.now()).values_list("pk", flat=True)
+    for pk in list(due):
+        with transaction.atomic():
+            round_ = Round.objects.select_for_update().filter(pk=pk, state=Round.State.COLLECTING).first()
+            if round_ is not None and _close_if_due(round_):
+                closed += 1
+    return closed

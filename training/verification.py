@@ -1,0 +1,174 @@
+"""Verifying one received delta before it can count (DESIGN.md "Verification"), run by a Celery worker.
+
+The checks run in a fixed order and the first failure is stored as a stable ``rejection_code`` with a
+detail a person can act on. A rejected delta is kept (for forensics) and never aggregated. An accepted
+delta joins its adapter's collecting round (``training.rounds``). Running this twice for one delta
+changes nothing the second time: only a ``received`` delta is verified.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from safetensors.torch import load as load_safetensors
+
+from devices.models import Device, DeviceStatus
+from edge_agent.delta import ENCODINGS, decode_tensor, read_encoding
+from edge_agent.protocol import public_key_from_b64, verify
+from training.aggregation_settings import aggregation_settings
+from training.artifacts import ArtifactRejected, check_spec, read_header
+from training.blobs import blob_read
+from training.models import Adapter, AdapterVersion, Delta
+
+
+@dataclass(frozen=True)
+class Rejection(Exception):
+    code: str
+    detail: str
+
+
+def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
+    """The tensors a delta for this adapter must hold, in the dtype its encoding stores."""
+    ffa = aggregation_settings(adapter)["ffa"] or aggregation_settings(adapter)["strategy"] == "ffa_lora"
+    dtype = ENCODINGS[encoding]
+    return {
+        name: {"shape": entry["shape"], "dtype": dtype}
+        for name, entry in adapter.tensor_spec.items()
+        if not (ffa and ".lora_A." in name)
+    }
+
+
+def _metadata(data: bytes) -> dict:
+    (header_size,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__") or {}
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _check_bytes(delta: Delta) -> bytes:
+    if delta.size > settings.DELTA_MAX_BYTES:
+        raise Rejection("too_large", f"the delta is {delta.size} bytes; the limit is {settings.DELTA_MAX_BYTES}")
+    if delta.blob_sha256 != delta.sha256:
+        raise Rejection("hash_mismatch", "the stored bytes do not hash to the signed sha256")
+    data = blob_read(delta.blob_sha256)
+    if len(data) != delta.size:
+        raise Rejection("hash_mismatch", f"{len(data)} bytes stored, the envelope says {delta.size}")
+    return data
+
+
+def _check_device(delta: Delta) -> Adapter:
+    device = Device.objects.select_related("cohort").get(pk=delta.device_id)
+    try:
+        key = public_key_from_b64(device.public_key)
+    except ValueError:
+        raise Rejection("bad_signature", "the device has no usable public key") from None
+    if not verify(key, delta.envelope, delta.signature):
+        raise Rejection("bad_signature", "the envelope's signature does not verify with this device's key")
+    if device.status != DeviceStatus.ACTIVE:
+        raise Rejection("device_not_active", f"the device is {device.status}; only active devices may contribute")
+    adapter = Adapter.objects.filter(name=delta.adapter_name).first()
+    if adapter is None:
+        raise Rejection("unknown_adapter", f"there is no adapter {delta.adapter_name!r}")
+    Delta.objects.filter(pk=delta.pk).update(adapter=adapter)
+    if not adapter.cohorts.filter(pk=device.cohort_id).exists():
+        raise Rejection("wrong_cohort", f"cohort {device.cohort.name!r} does not train adapter {adapter.name!r}")
+    return adapter
+
+
+def _claim_counter(delta: Delta) -> None:
+    try:
+        with transaction.atomic():
+            Delta.objects.filter(pk=delta.pk).update(counter_claimed=True)
+    except IntegrityError:
+        raise Rejection(
+            "replayed_counter", f"counter {delta.counter} was already used by another delta of this device"
+        ) from None
+
+
+def _check_base(delta: Delta, adapter: Adapter) -> AdapterVersion:
+    base = adapter.versions.filter(number=delta.base_version_number).first()
+    if base is None or base.state == AdapterVersion.State.REVOKED:
+        what = "does not exist" if base is None else "was revoked"
+        raise Rejection("unknown_base_version", f"{adapter.name} v{delta.base_version_number} {what}")
+    newest = adapter.versions.exclude(state=AdapterVersion.State.REVOKED).order_by("-number").first()
+    staleness = newest.number - base.number
+    limit = aggregation_settings(adapter)["max_staleness"]
+    if staleness > limit:
+        raise Rejection(
+            "stale_base_version",
+            f"based on v{base.number}, {staleness} versions behind v{newest.number} (the limit is {limit})",
+        )
+    Delta.objects.filter(pk=delta.pk).update(base_version=base, staleness=staleness)
+    return base
+
+
+def _check_contents(delta: Delta, adapter: Adapter, data: bytes) -> tuple[str, float]:
+    try:
+        header = read_header(data)
+        encoding, scales = read_encoding(_metadata(data))
+    except ArtifactRejected as exc:
+        code = "header_too_large" if exc.code == "header_too_large" else "malformed"
+        raise Rejection(code, str(exc)) from None
+    except ValueError as exc:
+        raise Rejection("malformed", str(exc)) from None
+    try:
+        check_spec(header, delta_spec(adapter, encoding))
+    except ArtifactRejected as exc:
+        raise Rejection("spec_mismatch", str(exc)) from None
+    if encoding == "int8" and set(scales) != set(header):
+        raise Rejection("malformed", "an int8 delta needs one scale per tensor")
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:
+        raise Rejection("malformed", f"safetensors could not read the file: {exc}") from None
+    squares = 0.0
+    for name, raw in tensors.items():
+        value = decode_tensor(raw, encoding=encoding, scale=scales.get(name))
+        if not bool(torch.isfinite(value).all()):
+            raise Rejection("not_finite", f"tensor {name!r} holds NaN or infinite values")
+        squares += float(value.double().square().sum())
+    norm = math.sqrt(squares)
+    bound = aggregation_settings(adapter)["max_norm"]
+    if bound is not None and norm > bound:
+        raise Rejection("norm_too_large", f"the update's L2 norm is {norm:.4g}; the adapter's bound is {bound:.4g}")
+    return encoding, norm
+
+
+def delta_verify(*, delta_id: int) -> Delta | None:
+    """Verify a received delta; returns it accepted or rejected (None if it is gone or already done)."""
+    delta = Delta.objects.filter(pk=delta_id, state=Delta.State.RECEIVED).first()
+    if delta is None:
+        return None
+    try:
+        data = _check_bytes(delta)
+        adapter = _check_device(delta)
+        _claim_counter(delta)
+        _check_base(delta, adapter)
+        encoding, norm = _check_contents(delta, adapter, data)
+    except Rejection as rejection:
+        return _finish(delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail)
+    return _finish(delta, state=Delta.State.ACCEPTED, encoding=encoding, norm=norm)
+
+
+def _finish(delta: Delta, *, state: str, code: str = "", detail: str = "", **fields) -> Delta | None:
+    from training.intake import _announce
+    from training.rounds import round_admit
+
+    with transaction.atomic():
+        changed = Delta.objects.filter(pk=delta.pk, state=Delta.State.RECEIVED).update(
+            state=state, rejection_code=code, rejection_detail=detail[:500], verified_at=timezone.now(), **fields
+        )
+        if not changed:
+            return None
+        delta.refresh_from_db()
+        if state == Delta.State.ACCEPTED:
+            round_admit(delta=delta)
+            delta.refresh_from_db()
+        _announce(delta)
+    return delta
