@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.client import connect
@@ -25,9 +26,11 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from edge_agent import __version__, sysinfo
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.protocol import (
+    DELTA_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     CloseCode,
     MessageType,
+    b64encode,
     decode,
     encode,
     hello_payload,
@@ -81,10 +84,12 @@ class AgentConnection:
         heartbeat: Callable[[], dict] = default_heartbeat,
         on_command: CommandHandler | None = None,
         backoff: Backoff | None = None,
+        uploads: UploadSource | None = None,
     ):
         self.home, self.state, self.key = home, state, key
         self.heartbeat = heartbeat
         self.on_command = on_command
+        self.uploads = uploads
         self.backoff = backoff or Backoff()
         self.connected = asyncio.Event()
         self.sessions = 0
@@ -175,6 +180,7 @@ class AgentConnection:
         raise _Refused(code, f"{message.get('code')}: {message.get('message')}")
 
     async def _converse(self, socket, interval: float, stop: asyncio.Event) -> None:
+        uploading = DeltaUploader(self.uploads, socket) if self.uploads is not None else None
         seq = 0
         sent_at: dict[int, float] = {}
         last_ack = time.monotonic()
@@ -186,6 +192,8 @@ class AgentConnection:
                 sent_at[seq] = time.perf_counter()
                 await socket.send(encode(MessageType.HEARTBEAT, seq=seq, **self.heartbeat()))
                 next_beat = now + interval * random.uniform(0.9, 1.1)  # noqa: S311  (jitter, not crypto)
+            if uploading is not None:
+                await uploading.start_next()
             if now - last_ack > 2.5 * interval:
                 raise TimeoutError(f"no heartbeat acknowledgement for {now - last_ack:.0f}s")
             try:
@@ -205,6 +213,11 @@ class AgentConnection:
                     since=self.connected_since,
                     heartbeat_rtt_ms=round(self.last_rtt_ms or 0, 1),
                 )
+            elif kind in (MessageType.DELTA_STATE, MessageType.DELTA_ERROR) and uploading is not None:
+                await uploading.handle(message)
+            elif kind == MessageType.COMMAND and message.get("command") == "delta_result" and self.uploads:
+                self.uploads.on_result(message.get("args") or {})
+                await socket.send(encode(MessageType.ACK, id=message.get("id"), ok=True, detail=None))
             elif kind == MessageType.COMMAND:
                 await self._handle_command(socket, message)
             elif kind == MessageType.ERROR:
@@ -221,6 +234,69 @@ class AgentConnection:
             except Exception as exc:  # report the failure to the server instead of dropping the socket
                 ok, detail = False, f"{type(exc).__name__}: {exc}"
         await socket.send(encode(MessageType.ACK, id=message.get("id"), ok=ok, detail=detail))
+
+
+class UploadSource(Protocol):
+    """Where the connection finds deltas to send (the agent's outbox) and reports what became of them."""
+
+    def next_upload(self) -> dict | None:
+        """``{"sha256", "path", "envelope", "signature", "metrics"}`` of the oldest delta not yet received."""
+
+    def on_state(self, sha256: str, state: dict) -> None:
+        """The server's ``delta_state``: ``state["state"]`` is uploading, received, accepted, rejected..."""
+
+    def on_error(self, sha256: str, code: str, message: str) -> None: ...
+
+    def on_result(self, result: dict) -> None:
+        """The verification outcome pushed later: ``{sha256, delta_id, state, code, detail}``."""
+
+
+class DeltaUploader:
+    """One delta at a time over the socket: begin (the server says from which offset), then chunks, each
+    acknowledged with the new offset. After a drop, the next session begins again and the server answers
+    with what it holds, so an upload resumes where it stopped and a finished one is never sent twice."""
+
+    def __init__(self, source: UploadSource, socket):
+        self.source, self.socket = source, socket
+        self.current: dict | None = None
+        self.idle_until = 0.0
+
+    async def start_next(self) -> None:
+        if self.current is not None or time.monotonic() < self.idle_until:
+            return
+        upload = self.source.next_upload()
+        if upload is None:
+            self.idle_until = time.monotonic() + 1.0
+            return
+        self.current = upload
+        await self.socket.send(
+            encode(
+                MessageType.DELTA_BEGIN,
+                envelope=upload["envelope"],
+                signature=upload["signature"],
+                metrics=upload.get("metrics") or {},
+            )
+        )
+
+    async def handle(self, message: dict) -> None:
+        current = self.current
+        sha256 = message.get("sha256")
+        if current is None or sha256 != current["envelope"]["sha256"]:
+            return
+        if message["type"] == MessageType.DELTA_ERROR:
+            self.current = None
+            self.idle_until = time.monotonic() + 5.0
+            self.source.on_error(sha256, message.get("code", ""), message.get("message", ""))
+            return
+        self.source.on_state(sha256, message)
+        if message.get("state") != "uploading":
+            self.current = None
+            return
+        offset = int(message.get("offset", 0))
+        with open(current["path"], "rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read(DELTA_CHUNK_BYTES)
+        await self.socket.send(encode(MessageType.DELTA_CHUNK, sha256=sha256, offset=offset, data=b64encode(chunk)))
 
 
 class _Refused(Exception):

@@ -27,15 +27,26 @@ from fleet.pytest_plugin import RUN_ID
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session")
+def shared_blob_root(tmp_path_factory) -> Path:
+    """Where the suite's Celery worker reads and writes blobs; tests that use the worker share it."""
+    return tmp_path_factory.mktemp("worker-blobs")
+
+
 @pytest.fixture(autouse=True)
-def _blob_storage(settings, tmp_path):
-    """Each test writes blobs into its own folder."""
+def _blob_storage(request, settings, tmp_path):
+    """Each test writes blobs into its own folder, except that tests with a worker share the worker's."""
+    if "celery_worker_process" in request.fixturenames:
+        location = request.getfixturevalue("shared_blob_root")
+    else:
+        location = tmp_path / "blobs"
     storages = dict(settings.STORAGES)
     storages["blobs"] = storages["default"] = {
         "BACKEND": "django.core.files.storage.FileSystemStorage",
-        "OPTIONS": {"location": str(tmp_path / "blobs")},
+        "OPTIONS": {"location": str(location)},
     }
     settings.STORAGES = storages
+    settings.DELTA_STAGING_DIR = tmp_path / "uploads"
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +93,7 @@ def _test_database_url() -> str:
 
 
 @pytest.fixture(scope="session")
-def celery_worker_process(django_db_setup, django_db_blocker):
+def celery_worker_process(django_db_setup, django_db_blocker, shared_blob_root):
     """A real ``celery worker`` subprocess consuming this run's queue, connected to the test database.
 
     Tests that use it must commit their rows (``transactional_db``) so the worker can see them.
@@ -90,6 +101,7 @@ def celery_worker_process(django_db_setup, django_db_blocker):
     env = dict(os.environ)
     env["DATABASE_URL"] = _test_database_url()
     env["DATABASE_CONN_MAX_AGE"] = "0"
+    env["BLOB_ROOT"] = str(shared_blob_root)
     log_path = ROOT / "tests" / "artifacts" / f"celery-worker-{RUN_ID}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("wb")

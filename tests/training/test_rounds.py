@@ -1,0 +1,180 @@
+"""Rounds: deltas racing a close, aggregation by a real Celery worker equal to the reference computation,
+sharded (chord) aggregation identical to one worker's, DP budget refusing a round."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from django.db import connection
+from safetensors.torch import load as load_safetensors
+
+from edge_agent.delta import encode_delta, sign_delta
+from training.blobs import blob_read
+from training.intake import upload_append, upload_begin
+from training.models import AdapterVersion, Delta, Round
+from training.rounds import round_close, round_open
+from training.services import adapter_set_aggregation, version_create_seeded
+from training.verification import delta_verify
+
+
+def make_delta_tensors(adapter, seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(tuple(entry["shape"]), generator=generator) * scale
+        for name, entry in adapter.tensor_spec.items()
+    }
+
+
+def receive(device, adapter, tensors, *, counter: int, samples: int = 10, base_version: int = 1) -> Delta:
+    """A delta through the real intake service (the code REST and the socket call)."""
+    data = encode_delta(tensors)
+    signed = sign_delta(
+        device.key,
+        data,
+        device_id=device.id,
+        adapter=adapter.name,
+        base_version=base_version,
+        num_samples=samples,
+        counter=counter,
+    )
+    upload_begin(device=device.device, envelope=signed["envelope"], signature=signed["signature"], channel="rest")
+    state = upload_append(
+        device=device.device, sha256=signed["envelope"]["sha256"], offset=0, data=data, channel="rest"
+    )
+    return state.delta
+
+
+@pytest.fixture
+def trained(adapter, cohort, enrolled):
+    adapter.cohorts.add(cohort)
+    version = version_create_seeded(adapter=adapter, seed=3)
+    return adapter, version, [enrolled("active", name=f"d{i}") for i in range(5)]
+
+
+def wait_for(check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hundred_deltas_racing_the_close_are_each_counted_in_exactly_one_round(trained, make_user):
+    adapter, _, devices = trained
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})
+    adapter.refresh_from_db()
+    received = [receive(devices[i % 5], adapter, make_delta_tensors(adapter, seed=i), counter=i) for i in range(100)]
+    operator = make_user("operator")
+    errors: list[BaseException] = []
+
+    def verify_slice(ids):
+        try:
+            for pk in ids:
+                delta_verify(delta_id=pk)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def close_repeatedly():
+        try:
+            for _ in range(40):
+                for round_ in Round.objects.filter(state=Round.State.COLLECTING):
+                    try:
+                        round_close(round_=round_, actor=operator)
+                    except Exception as exc:  # an empty or already-closed round is refused: that is fine
+                        if getattr(exc, "error_code", None) not in ("round_empty", "invalid_transition"):
+                            raise
+                time.sleep(0.005)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    ids = [d.pk for d in received]
+    threads = [threading.Thread(target=verify_slice, args=(ids[i::4],)) for i in range(4)]
+    threads.append(threading.Thread(target=close_repeatedly))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    deltas = list(Delta.objects.all())
+    assert len(deltas) == 100 and all(d.state in ("accepted", "aggregated") for d in deltas)
+    assert all(d.round_id is not None for d in deltas), "a delta was left out of every round"
+    per_round = {}
+    for d in deltas:
+        per_round[d.round_id] = per_round.get(d.round_id, 0) + 1
+    rounds = Round.objects.filter(pk__in=per_round)
+    assert sum(per_round.values()) == 100
+    assert all(per_round[r.pk] <= r.buffer_size for r in rounds)
+    assert Round.objects.filter(state=Round.State.COLLECTING).count() <= 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_worker_aggregates_a_full_round_into_the_fedavg_of_its_deltas(trained, celery_worker_process):
+    adapter, version, devices = trained
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 4, "min_deltas": 2})
+    tensors = [make_delta_tensors(adapter, seed=10 + i) for i in range(4)]
+    samples = [5, 10, 20, 40]
+    for i, (device, delta) in enumerate(zip(devices, tensors, strict=False)):
+        receive(device, adapter, delta, counter=1, samples=samples[i])
+    # The upload enqueued each verification; the worker verifies, closes the full round and aggregates.
+    result = wait_for(lambda: AdapterVersion.objects.filter(round__isnull=False).first())
+    round_ = Round.objects.get()
+    assert round_.state == Round.State.COMPLETED and round_.close_reason == "buffer_full"
+    assert result.number == 2 and result.parent == version and result.source == "round"
+    assert Delta.objects.filter(state="aggregated").count() == 4
+    base = load_safetensors(blob_read(version.blob_sha256))
+    got = load_safetensors(blob_read(result.blob_sha256))
+    total = sum(samples)
+    for name in base:
+        reference = base[name] + sum(t[name] * (n / total) for t, n in zip(tensors, samples, strict=True))
+        torch.testing.assert_close(got[name], reference, rtol=1e-5, atol=1e-6)
+    assert "eval_accuracy" in result.metrics  # digits-cnn has a server evaluation set
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_worker_process):
+    from training.aggregation import round_aggregate
+
+    adapter, version, devices = trained
+    adapter_set_aggregation(
+        adapter=adapter, actor=None, aggregation={"buffer_size": 5, "min_deltas": 1, "shard_size": 2}
+    )
+    for i in range(5):
+        receive(devices[i], adapter, make_delta_tensors(adapter, seed=40 + i), counter=1, samples=3 + i)
+    sharded = wait_for(lambda: AdapterVersion.objects.filter(round__isnull=False).first())
+    round_ = Round.objects.get()
+    assert round_.stats["shards"] == 3
+    # The same round, aggregated again on one worker (this process), gives the very same bytes.
+    Round.objects.filter(pk=round_.pk).update(state=Round.State.AGGREGATING)
+    AdapterVersion.objects.filter(pk=sharded.pk).update(round=None)
+    Delta.objects.filter(round=round_).update(state="accepted")
+    single = round_aggregate(round_id=round_.pk)
+    assert single.blob_sha256 == sharded.blob_sha256
+
+
+@pytest.mark.django_db
+def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(trained, make_user):
+    from fleet.api.errors import ApiError
+    from training.models import TrainingEvent
+
+    adapter, _, _ = trained
+    adapter_set_aggregation(
+        adapter=adapter,
+        actor=None,
+        dp={"enabled": True, "noise_multiplier": 0.5, "epsilon_budget": 0.5, "sample_rate": 1.0},
+    )
+    adapter.refresh_from_db()
+    with pytest.raises(ApiError) as refused:
+        round_open(adapter=adapter, actor=make_user("operator"))
+    assert refused.value.error_code == "dp_budget_exhausted" and "budget" in refused.value.message
+    assert not Round.objects.exists()
+    assert TrainingEvent.objects.filter(kind="round.refused", adapter=adapter).exists()

@@ -1,0 +1,302 @@
+"""What every strategy shares: its input, reading deltas, validation, norm clipping, the base classes.
+
+Pure torch + safetensors (no Django). A delta file is read with ``safe_open`` and decoded to float32 by
+``edge_agent.delta`` (encodings f32/f16/int8). Deltas are opened one at a time and closed before the next
+(the file's mapping goes with it), so a pass over N deltas holds one delta's pages at most.
+
+Key layout: a delta holds every key of the adapter's spec, except that ``lora_A`` keys may be absent (the
+FFA-LoRA layout: A is frozen and shared); an absent key is a zero delta. Keys outside the spec, a missing
+non-A key, a wrong shape, a stored dtype that is not the one the encoding names, a missing int8 scale and a
+non-finite value are refused with ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from edge_agent.delta import ENCODINGS, FORMAT, decode_tensor, read_encoding
+
+Shape = tuple[int, ...]
+LORA_A_MARKERS = (".lora_A.", ".lora_embedding_A")
+LORA_B_MARKERS = (".lora_B.", ".lora_embedding_B")
+
+
+def is_lora_a(key: str) -> bool:
+    return any(marker in key for marker in LORA_A_MARKERS)
+
+
+def is_lora_b(key: str) -> bool:
+    return any(marker in key for marker in LORA_B_MARKERS)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class DeltaInput:
+    path: str  # local path of the delta safetensors file (safe_open-able)
+    num_samples: int  # sample weight
+    staleness: int = 0  # versions between the device's base and the round's base
+    norm: float | None = None  # L2 norm of the decoded delta over all tensors (computed if None)
+
+    def __post_init__(self):
+        if not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path):
+            raise ValueError(f"a delta input needs a file path, not {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if not _is_int(self.num_samples) or self.num_samples < 1:
+            raise ValueError(f"{self.path}: num_samples must be a whole number >= 1, not {self.num_samples!r}")
+        if not _is_int(self.staleness) or self.staleness < 0:
+            raise ValueError(f"{self.path}: staleness must be a whole number >= 0, not {self.staleness!r}")
+        if self.norm is not None:
+            if not _is_real(self.norm) or self.norm < 0:
+                raise ValueError(f"{self.path}: norm must be a finite number >= 0 or None, not {self.norm!r}")
+            object.__setattr__(self, "norm", float(self.norm))
+
+
+def check_inputs(inputs) -> list[DeltaInput]:
+    if not isinstance(inputs, list | tuple) or not inputs:
+        raise ValueError("aggregation needs at least one delta")
+    bad = [i for i, inp in enumerate(inputs) if not isinstance(inp, DeltaInput)]
+    if bad:
+        raise ValueError(f"inputs must be DeltaInput objects; #{bad[0]} is {type(inputs[bad[0]]).__name__}")
+    return list(inputs)
+
+
+def check_spec(spec) -> dict[str, Shape]:
+    """The spec's shapes by key; ValueError for an empty or malformed spec."""
+    if not isinstance(spec, dict) or not spec:
+        raise ValueError("the adapter's tensor spec is empty")
+    shapes: dict[str, Shape] = {}
+    for key, entry in spec.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (
+            not isinstance(key, str)
+            or not isinstance(shape, list | tuple)
+            or not all(_is_int(d) and d >= 0 for d in shape)
+        ):
+            raise ValueError(f"the tensor spec's entry for {key!r} needs a shape of whole numbers")
+        shapes[key] = tuple(shape)
+    return shapes
+
+
+def shards(inputs: list[DeltaInput], size: int) -> list[list[DeltaInput]]:
+    """Consecutive shards of ``size`` inputs (the last may be shorter): the unit of one partial sum."""
+    if not _is_int(size) or size < 1:
+        raise ValueError(f"shard_size must be a whole number >= 1, not {size!r}")
+    return [list(inputs[i : i + size]) for i in range(0, len(inputs), size)]
+
+
+class DeltaReader:
+    """One open delta: its keys, shapes, and tensors (or row ranges of them) decoded to float32."""
+
+    def __init__(self, handle, label: str):
+        self._f = handle
+        self.label = label
+        metadata = handle.metadata() or {}
+        if metadata.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"{label} is not a {FORMAT} file (format {metadata.get('format')!r})")
+        try:
+            self.encoding, self._scales = read_encoding(metadata)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from None
+        self._stored = ENCODINGS[self.encoding]
+        self._keys = list(handle.keys())
+
+    def names(self) -> list[str]:
+        return list(self._keys)
+
+    def shape(self, key: str) -> Shape:
+        piece = self._f.get_slice(key)
+        if piece.get_dtype() != self._stored:
+            raise ValueError(
+                f"{self.label}: {key!r} is stored as {piece.get_dtype()}, its {self.encoding} encoding stores "
+                f"{self._stored}"
+            )
+        if self.encoding == "int8" and key not in self._scales:
+            raise ValueError(f"{self.label}: the int8 tensor {key!r} has no scale in the metadata")
+        return tuple(piece.get_shape())
+
+    def _decode(self, key: str, raw: torch.Tensor) -> torch.Tensor:
+        value = decode_tensor(raw, encoding=self.encoding, scale=self._scales.get(key))
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{self.label}: {key!r} holds NaN or infinite values")
+        return value
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._decode(key, self._f.get_tensor(key))
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` along the first dimension (a 0-d tensor is one row), flattened, float32."""
+        if not self._f.get_slice(key).get_shape():
+            return self.read(key).reshape(-1)
+        return self._decode(key, self._f.get_slice(key)[start:stop]).reshape(-1)
+
+
+@contextmanager
+def open_delta(inp: DeltaInput, index: int) -> Iterator[DeltaReader]:
+    label = f"delta #{index} ({inp.path})"
+    try:
+        handle = safe_open(inp.path, framework="pt")
+    except SafetensorError as exc:
+        raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
+    with handle as opened:
+        yield DeltaReader(opened, label)
+
+
+ShapeCheck = Callable[[str, Shape, Shape], bool]
+
+
+def check_header(reader: DeltaReader, shapes: dict[str, Shape], shape_ok: ShapeCheck | None = None) -> dict:
+    """The delta's shapes by key, after checking its keys, dtypes, scales and shapes against the spec."""
+    present = reader.names()
+    unknown = sorted(set(present) - set(shapes))
+    if unknown:
+        raise ValueError(f"{reader.label} holds keys the adapter does not have: {unknown[:3]}")
+    missing = [key for key in shapes if key not in present and not is_lora_a(key)]
+    if missing:
+        raise ValueError(f"{reader.label} lacks {len(missing)} required key(s), e.g. {missing[:3]}")
+    found = {}
+    for key in present:
+        shape = reader.shape(key)
+        if shape != shapes[key] and not (shape_ok and shape_ok(key, shape, shapes[key])):
+            raise ValueError(f"{reader.label}: {key!r} has shape {list(shape)}, the adapter's is {list(shapes[key])}")
+        found[key] = shape
+    return found
+
+
+def check_headers(inputs, shapes, shape_ok: ShapeCheck | None = None, extra=None) -> list[dict]:
+    """``check_header`` for every input (one open file at a time); ``extra(reader)`` runs more checks."""
+    found = []
+    for index, inp in enumerate(inputs):
+        with open_delta(inp, index) as reader:
+            found.append(check_header(reader, shapes, shape_ok))
+            if extra is not None:
+                extra(reader)
+    return found
+
+
+def delta_norm(inp: DeltaInput, index: int = 0) -> float:
+    """L2 norm of the decoded delta over all its tensors (one tensor in memory at a time)."""
+    total = 0.0
+    with open_delta(inp, index) as reader:
+        for key in reader.names():
+            total += float(torch.linalg.vector_norm(reader.read(key).reshape(-1), dtype=torch.float64) ** 2)
+    return math.sqrt(total)
+
+
+def clip_factors(inputs: list[DeltaInput], clip: float | None, *, recompute: bool = False) -> list[float]:
+    """``min(1, clip / norm)`` per input (1.0 without clipping). Norms come from ``DeltaInput.norm`` unless
+    missing or ``recompute`` (DP recomputes: its guarantee must not rest on a caller-given number)."""
+    if clip is None:
+        return [1.0] * len(inputs)
+    factors = []
+    for index, inp in enumerate(inputs):
+        norm = delta_norm(inp, index) if recompute or inp.norm is None else inp.norm
+        factors.append(1.0 if norm <= clip else clip / norm)
+    return factors
+
+
+def weighted_sum(inputs, weights: list[float], shapes: dict[str, Shape], keys) -> dict[str, torch.Tensor]:
+    """``sum_i weights[i] * delta_i`` over ``keys`` in float64, streaming: one delta open at a time, one
+    running sum per tensor. A key a delta lacks (an FFA-layout lora_A) adds nothing."""
+    sums = {key: torch.zeros(shapes[key], dtype=torch.float64) for key in keys}
+    for index, (inp, weight) in enumerate(zip(inputs, weights, strict=True)):
+        with open_delta(inp, index) as reader:
+            present = set(reader.names())
+            for key in keys:
+                if key in present:
+                    sums[key].add_(reader.read(key), alpha=weight)
+    return sums
+
+
+# -- parameters ------------------------------------------------------------------------------------------
+
+
+def positive_int(name: str):
+    def check(value):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, not {value!r}")
+        return value
+
+    return check
+
+
+def optional_count(name: str):
+    def check(value):
+        if value is not None and (not _is_int(value) or value < 0):
+            raise ValueError(f"{name} must be a whole number >= 0 or null, not {value!r}")
+        return value
+
+    return check
+
+
+def _clip_norm(value):
+    if value is not None and (not _is_real(value) or value <= 0):
+        raise ValueError(f"clip_norm must be a positive finite number or null, not {value!r}")
+    return None if value is None else float(value)
+
+
+def _trim_ratio(value):
+    if not _is_real(value) or not 0 <= value < 0.5:
+        raise ValueError(f"trim_ratio must be a number in [0, 0.5), not {value!r}")
+    return float(value)
+
+
+# Every strategy accepts (and checks) these, ignoring the ones it does not use, so one round can carry an
+# adapter's whole settings; an unknown name is refused (a typo must not silently change the aggregate).
+PARAM_CHECKS: dict[str, Callable] = {
+    "shard_size": positive_int("shard_size"),
+    "chunk_elements": positive_int("chunk_elements"),
+    "clip_norm": _clip_norm,
+    "trim_ratio": _trim_ratio,
+    "byzantine": optional_count("byzantine"),
+    "multi_k": optional_count("multi_k"),
+}
+DEFAULTS = {
+    "shard_size": 64,
+    "chunk_elements": 1 << 20,
+    "clip_norm": None,
+    "trim_ratio": 0.1,
+    "byzantine": None,
+    "multi_k": None,
+}
+
+
+class Strategy:
+    """One aggregation rule. ``aggregate`` returns the aggregated delta (float32, every spec key)."""
+
+    name: str = ""
+    shardable: bool = False
+    supports_dp: bool = False
+
+    def check_params(self, params: dict | None) -> dict:
+        """The params with defaults filled in; ValueError for an unknown name or a bad value."""
+        params = dict(params or {})
+        known = set(PARAM_CHECKS) | ({"dp"} if self.supports_dp else set())
+        unknown = sorted(set(params) - known)
+        if "dp" in unknown:
+            raise ValueError(f"{self.name} does not support server-side DP: use fedavg, fedbuff or ffa_lora")
+        if unknown:
+            raise ValueError(f"unknown {self.name} params {unknown}: accepted are {sorted(known)}")
+        for key, value in params.items():
+            if key in PARAM_CHECKS:
+                params[key] = PARAM_CHECKS[key](value)
+        return {**DEFAULTS, **params}
+
+    def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

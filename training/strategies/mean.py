@@ -1,0 +1,143 @@
+"""Weighted means: fedavg, fedbuff and ffa_lora. Streaming and shardable.
+
+``partial(shard)`` is ``(sum_i w_i * c_i * delta_i, sum_i w_i)`` in float64 (w_i the strategy's weight,
+c_i the clipping factor), reading one delta at a time into one running sum per tensor: memory O(model)
+whatever N is. ``combine`` adds the partials in the order given, adds the DP noise (once) and divides.
+``aggregate`` is exactly ``combine([partial(shard) for shard in shards(inputs, shard_size)])``, so a chord
+running the same shards on several workers gives a bit-identical result to one worker. A key no delta
+carries (lora_A of FFA-layout deltas) is left out of the sums: it stays zero and gets no DP noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import (
+    Strategy,
+    check_headers,
+    check_inputs,
+    check_spec,
+    clip_factors,
+    is_lora_a,
+    shards,
+    weighted_sum,
+)
+from .dp import add_gaussian_noise, parse_dp
+
+
+class MeanStrategy(Strategy):
+    shardable = True
+    supports_dp = True
+
+    def weight(self, inp) -> float:
+        """The input's weight without DP."""
+        return float(inp.num_samples)
+
+    def dp_weight(self, inp) -> float:
+        """The input's weight under DP: at most 1, so one delta moves the sum by at most the clip."""
+        return 1.0
+
+    def summed_keys(self, shapes: dict) -> list[str]:
+        return list(shapes)
+
+    def check_extra(self, reader) -> None:
+        pass
+
+    def partial(self, inputs, *, spec, base, params) -> tuple[dict[str, torch.Tensor], float]:
+        """``(weighted sum in float64 per summed key, total weight)`` of one shard."""
+        params = self.check_params(params)
+        shapes = check_spec(spec)
+        inputs = check_inputs(inputs)
+        dp = parse_dp(params.get("dp"))
+        found = check_headers(inputs, shapes, extra=self.check_extra)
+        keys = [key for key in self.summed_keys(shapes) if any(key in present for present in found)]
+        clip = params["clip_norm"]
+        if dp is not None:
+            clip = dp.clip if clip is None else min(clip, dp.clip)
+        factors = clip_factors(inputs, clip, recompute=dp is not None)
+        weights = [self.dp_weight(inp) if dp is not None else self.weight(inp) for inp in inputs]
+        sums = weighted_sum(inputs, [w * c for w, c in zip(weights, factors, strict=True)], shapes, keys)
+        return sums, math.fsum(weights)
+
+    def combine(self, partials, *, spec, base, params) -> dict[str, torch.Tensor]:
+        """The aggregated delta from shard partials, added in the order given."""
+        params = self.check_params(params)
+        shapes = check_spec(spec)
+        dp = parse_dp(params.get("dp"))
+        summable = set(self.summed_keys(shapes))
+        required = [key for key in summable if not is_lora_a(key)]
+        if not isinstance(partials, list | tuple) or not partials:
+            raise ValueError("combine needs at least one partial sum")
+        total: dict[str, torch.Tensor] = {}
+        weight = 0.0
+        for index, item in enumerate(partials):
+            if not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[0], dict):
+                raise ValueError(f"partial #{index} must be (sums, weight)")
+            sums, part_weight = item
+            strange = sorted(set(sums) - summable)
+            lacking = [key for key in required if key not in sums]
+            if strange or lacking:
+                raise ValueError(f"partial #{index}: unexpected keys {strange[:3]}, missing keys {lacking[:3]}")
+            if isinstance(part_weight, bool) or not isinstance(part_weight, int | float):
+                raise ValueError(f"partial #{index}'s weight must be a number")
+            if not math.isfinite(part_weight) or part_weight <= 0:
+                raise ValueError(f"partial #{index}'s weight must be finite and > 0, not {part_weight!r}")
+            for key, value in sums.items():
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes[key]:
+                    raise ValueError(f"partial #{index}: {key!r} is not a tensor of shape {list(shapes[key])}")
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"partial #{index}: {key!r} holds NaN or infinite values")
+                if key not in total:
+                    total[key] = torch.zeros(shapes[key], dtype=torch.float64)
+                total[key].add_(value.to(torch.float64))
+            weight += float(part_weight)
+        if dp is not None:
+            add_gaussian_noise(total, list(total), dp)  # the released keys: those some delta carries
+        out = {}
+        for key, shape in shapes.items():
+            out[key] = (total[key] / weight).to(torch.float32) if key in total else torch.zeros(shape)
+        return out
+
+    def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
+        checked = self.check_params(params)
+        parts = [
+            self.partial(shard, spec=spec, base=base, params=params)
+            for shard in shards(check_inputs(inputs), checked["shard_size"])
+        ]
+        return self.combine(parts, spec=spec, base=base, params=params)
+
+
+class FedAvg(MeanStrategy):
+    """Sample-weighted mean of the deltas."""
+
+    name = "fedavg"
+
+
+class FedBuff(MeanStrategy):
+    """FedAvg over a buffer of asynchronous deltas, each discounted by ``1 / sqrt(1 + staleness)``."""
+
+    name = "fedbuff"
+
+    def weight(self, inp) -> float:
+        return inp.num_samples / math.sqrt(1 + inp.staleness)
+
+    def dp_weight(self, inp) -> float:  # the staleness discount alone: <= 1, so the sensitivity stays C
+        return 1.0 / math.sqrt(1 + inp.staleness)
+
+
+class FfaLora(MeanStrategy):
+    """FFA-LoRA: A is frozen and shared, so only B (and the saved modules) are averaged, and the mean of the
+    B deltas is exactly the update a centralised run would make to B. A keys of the result are zero; a
+    delta that changes A is refused."""
+
+    name = "ffa_lora"
+
+    def summed_keys(self, shapes: dict) -> list[str]:
+        return [key for key in shapes if not is_lora_a(key)]
+
+    def check_extra(self, reader) -> None:
+        for key in reader.names():
+            if is_lora_a(key) and bool(torch.count_nonzero(reader.read(key))):
+                raise ValueError(f"{reader.label} changes the frozen {key!r}: ffa_lora deltas must leave lora_A as is")
