@@ -65,7 +65,7 @@ def b64decode(text: str, *, limit: int = 4096) -> bytes:
         raise ValueError("not a base64 string")
     padded = text + "=" * (-len(text) % 4)
     try:
-        return base64.urlsafe_b64decode(padded.encode("ascii"))
+        return base64.b64decode(padded.encode("ascii"), altchars=b"-_", validate=True)
     except (ValueError, UnicodeEncodeError) as exc:
         raise ValueError("not a base64 string") from exc
 

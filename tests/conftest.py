@@ -8,6 +8,7 @@ dev stack on the same Redis never steals the suite's tasks.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -92,57 +93,68 @@ def _test_database_url() -> str:
     return urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
 
 
+def start_worker(*, name: str, blob_root: Path, **env_overrides: str) -> tuple[subprocess.Popen, Path]:
+    """Start a real ``celery worker`` on the test database; returns once it answers a ping."""
+    env = dict(os.environ)
+    env["DATABASE_URL"] = _test_database_url()
+    env["DATABASE_CONN_MAX_AGE"] = "0"
+    env["BLOB_ROOT"] = str(blob_root)
+    env.update(env_overrides)
+    log_path = ROOT / "tests" / "artifacts" / f"celery-{name}-{RUN_ID}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "fleet",
+                "worker",
+                "--loglevel",
+                "INFO",
+                "--concurrency",
+                env_overrides.get("WORKER_CONCURRENCY", "2"),
+                "--pool",
+                "prefork",
+                "--hostname",
+                f"{name}-{RUN_ID}@%h",
+                "--without-mingle",
+                "--without-gossip",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # so a test can kill the worker with its pool children
+        )
+    from fleet.celery import app
+
+    deadline = time.monotonic() + 60
+    while not app.control.ping(destination=[f"{name}-{RUN_ID}@{socket.gethostname()}"], timeout=0.5):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the Celery worker did not come up; see {log_path}:\n{log_path.read_text()[-3000:]}")
+    return process, log_path
+
+
+def stop_worker(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 @pytest.fixture(scope="session")
 def celery_worker_process(django_db_setup, django_db_blocker, shared_blob_root):
     """A real ``celery worker`` subprocess consuming this run's queue, connected to the test database.
 
     Tests that use it must commit their rows (``transactional_db``) so the worker can see them.
     """
-    env = dict(os.environ)
-    env["DATABASE_URL"] = _test_database_url()
-    env["DATABASE_CONN_MAX_AGE"] = "0"
-    env["BLOB_ROOT"] = str(shared_blob_root)
-    log_path = ROOT / "tests" / "artifacts" / f"celery-worker-{RUN_ID}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "fleet",
-            "worker",
-            "--loglevel",
-            "INFO",
-            "--concurrency",
-            "2",
-            "--pool",
-            "prefork",
-            "--hostname",
-            f"test-{RUN_ID}@%h",
-            "--without-mingle",
-            "--without-gossip",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    from fleet.celery import app
-
-    deadline = time.monotonic() + 60
-    while not app.control.ping(timeout=0.5):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the Celery worker did not come up; see {log_path}:\n{log_path.read_text()[-3000:]}")
+    process, _ = start_worker(name="test", blob_root=shared_blob_root)
     yield process
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+    stop_worker(process)
 
 
 # --- the fleet: cohorts, enrollment tokens and enrolled devices with real keys -------------------------------

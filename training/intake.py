@@ -130,7 +130,8 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
                     "too_many_uploads", f"this device has {len(staged)} unfinished uploads; finish or wait", 429
                 )
             part.touch()
-        meta.write_text(json.dumps({"envelope": envelope, "signature": signature, "metrics": _metrics(metrics)}))
+        kept = _metrics(metrics) or (json.loads(meta.read_text()).get("metrics", {}) if meta.exists() else {})
+        meta.write_text(json.dumps({"envelope": envelope, "signature": signature, "metrics": kept}))
         offset = part.stat().st_size
     if offset > size:  # cannot happen through upload_append; a stray file is discarded
         part.unlink(missing_ok=True)

@@ -62,17 +62,18 @@ class MeanStrategy(Strategy):
         return sums, math.fsum(weights)
 
     def combine(self, partials, *, spec, base, params) -> dict[str, torch.Tensor]:
-        """The aggregated delta from shard partials, added in the order given."""
+        """The aggregated delta from shard partials (a list, or any iterable), added in the order given."""
         params = self.check_params(params)
         shapes = check_spec(spec)
         dp = parse_dp(params.get("dp"))
         summable = set(self.summed_keys(shapes))
         required = [key for key in summable if not is_lora_a(key)]
-        if not isinstance(partials, list | tuple) or not partials:
-            raise ValueError("combine needs at least one partial sum")
+        if isinstance(partials, dict | str | bytes | torch.Tensor):
+            raise ValueError("combine needs a sequence of (sums, weight) partials")
         total: dict[str, torch.Tensor] = {}
-        weight = 0.0
+        weight, count = 0.0, 0
         for index, item in enumerate(partials):
+            count += 1
             if not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[0], dict):
                 raise ValueError(f"partial #{index} must be (sums, weight)")
             sums, part_weight = item
@@ -93,6 +94,8 @@ class MeanStrategy(Strategy):
                     total[key] = torch.zeros(shapes[key], dtype=torch.float64)
                 total[key].add_(value.to(torch.float64))
             weight += float(part_weight)
+        if not count:
+            raise ValueError("combine needs at least one partial sum")
         if dp is not None:
             add_gaussian_noise(total, list(total), dp)  # the released keys: those some delta carries
         out = {}
@@ -102,10 +105,12 @@ class MeanStrategy(Strategy):
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         checked = self.check_params(params)
-        parts = [
+        # A generator: combine folds each shard's partial into its total before the next is computed, so
+        # memory stays O(model) however many shards there are; the arithmetic is the chord's, in order.
+        parts = (
             self.partial(shard, spec=spec, base=base, params=params)
             for shard in shards(check_inputs(inputs), checked["shard_size"])
-        ]
+        )
         return self.combine(parts, spec=spec, base=base, params=params)
 
 

@@ -200,6 +200,4 @@ class MultiKrum(Krum):
 
     def select(self, params, n: int, f: int) -> int:
         m = params["multi_k"]
-        if m is not None and m < 1:
-            raise ValueError(f"multi_k must be a whole number >= 1, not {m!r}")
         return min(n, n - f if m is None else m)
