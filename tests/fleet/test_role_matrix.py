@@ -31,6 +31,11 @@ ENDPOINTS = [
     ("post", "/api/v1/base-models/", "admin", {"name": "matrix-base", "family": "digits-cnn"}),
     ("get", "/api/v1/rollouts/", "viewer", None),
     ("post", "/api/v1/rollouts/", "operator", {"version": 999999, "cohort": "matrix", "phases": [{"percent": 10}]}),
+    ("get", "/api/v1/rounds/", "viewer", None),
+    ("get", "/api/v1/deltas/", "viewer", None),
+    ("post", "/api/v1/rounds/", "operator", {"adapter": "no-such-adapter"}),
+    ("post", "/api/v1/rounds/999999/close/", "operator", None),
+    ("put", "/api/v1/adapters/999999/aggregation/", "operator", {"aggregation": {"strategy": "median"}}),
     ("get", "/api/v1/users/", "admin", None),
     ("post", "/api/v1/users/", "admin", {"username": "newbie", "role": "viewer"}),
 ]
@@ -57,8 +62,10 @@ def test_api_role_matrix(api_client_for, role, method, path, lowest, body):
     elif RANK[role] < RANK[lowest]:
         assert response.status_code == 403, response.content
         assert response.json()["error"]["code"] == "permission_denied"
-    elif body and body.get("version") == 999999:
-        assert response.status_code == 400  # allowed through the role check; the version does not exist
+    elif body and (body.get("version") == 999999 or body.get("adapter") == "no-such-adapter"):
+        assert response.status_code == 400  # allowed through the role check; the object does not exist
+    elif "999999" in path:
+        assert response.status_code == 404, response.content  # allowed through the role check; no such object
     else:
         assert response.status_code in (200, 201), response.content
 

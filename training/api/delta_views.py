@@ -8,7 +8,8 @@ import re
 
 from django.conf import settings
 from django.db.models import Count, Q
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -81,7 +82,7 @@ class DeviceDeltaView(APIView):
         return Response(upload_state_body(UploadState(sha256, size, part.stat().st_size if part.exists() else 0)))
 
     @extend_schema(
-        request={"application/octet-stream": OpenApiResponse(description="the delta file's bytes (or a range)")},
+        request={"application/octet-stream": OpenApiTypes.BINARY},
         parameters=[
             OpenApiParameter("X-Delta-Envelope", str, OpenApiParameter.HEADER, required=True),
             OpenApiParameter("X-Delta-Signature", str, OpenApiParameter.HEADER, required=True),

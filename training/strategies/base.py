@@ -269,6 +269,8 @@ class Strategy:
     def check_params(self, params: dict | None) -> dict:
         """The params with defaults filled in; ValueError for an unknown name or a bad value."""
         params = dict(params or {})
+        if params.get("dp") is None:
+            params.pop("dp", None)  # "dp": null means off, for every strategy
         known = set(PARAMS) | ({"dp"} if self.supports_dp else set())
         unknown = sorted(set(params) - known)
         if "dp" in unknown:

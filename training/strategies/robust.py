@@ -88,6 +88,16 @@ def gather(inputs, segments: list[Segment], factors: list[float]) -> torch.Tenso
     return out
 
 
+# Sorting and the float64 Gram product make temporaries several times the chunk's size (sort returns int64
+# indices too), so they run over blocks of this many columns of the [N, chunk] matrix at a time.
+BLOCK = 1 << 16
+
+
+def blocks(stacked: torch.Tensor):
+    for start in range(0, stacked.shape[1], BLOCK):
+        yield stacked[:, start : start + BLOCK]
+
+
 def scatter(result: dict[str, torch.Tensor], segments: list[Segment], values: torch.Tensor) -> None:
     position = 0
     for segment in segments:
@@ -117,7 +127,7 @@ class CoordinateStrategy(RobustStrategy):
         params, shapes, inputs, factors = self.prepare(inputs, spec, params)
         result = {key: torch.zeros(shape, dtype=torch.float32) for key, shape in shapes.items()}
         for segments, stacked in self.chunks(inputs, shapes, factors, params["chunk_elements"]):
-            scatter(result, segments, self.reduce(stacked, params))
+            scatter(result, segments, torch.cat([self.reduce(block, params) for block in blocks(stacked)]))
         return result
 
 
@@ -177,8 +187,9 @@ class Krum(RobustStrategy):
         n = len(inputs)
         gram = torch.zeros(n, n, dtype=torch.float64)
         for _, stacked in self.chunks(inputs, shapes, factors, params["chunk_elements"]):
-            chunk = stacked.to(torch.float64)
-            gram.addmm_(chunk, chunk.T)
+            for block in blocks(stacked):
+                block = block.to(torch.float64)
+                gram.addmm_(block, block.T)
         squares = gram.diagonal().clone()
         distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_min_(0)
         distances.fill_diagonal_(0)
