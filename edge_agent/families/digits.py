@@ -1,11 +1,25 @@
-"""``digits-cnn``: a small CNN for scikit-learn's bundled 8x8 digits (fast enough for demos and tests)."""
+"""``digits-cnn``: a small CNN for scikit-learn's bundled 8x8 digits (fast enough for demos and tests).
+
+The data is scikit-learn's ``load_digits`` (shipped with the package: nothing is downloaded), pixels scaled to
+[0, 1], split once and for all into a stratified train set and a test set of ``TEST_SIZE`` samples; the test
+set is the server's evaluation set. Devices get non-IID shards of the train set (``dirichlet_shards``).
+"""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
+
+from edge_agent.families.common import classification_evaluate, classification_loss, dirichlet_shards
+
+__all__ = ["DigitsCNN", "DigitsNet", "dirichlet_shards", "evaluate", "load_split", "TEST_SIZE", "SPLIT_SEED"]
+
+TEST_SIZE = 360
+SPLIT_SEED = 0
 
 
 class DigitsNet(nn.Module):
@@ -22,6 +36,36 @@ class DigitsNet(nn.Module):
         return self.head(torch.relu(self.fc1(x.flatten(1))))
 
 
+@lru_cache(maxsize=1)
+def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[:, None, :, :]
+    labels = digits.target.astype(np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, labels, test_size=TEST_SIZE, stratify=labels, random_state=SPLIT_SEED
+    )
+    for array in (x_train, x_test, y_train, y_test):
+        array.setflags(write=False)
+    return x_train, y_train, x_test, y_test
+
+
+def load_split() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(train, test)`` as ``{"x": [N, 1, 8, 8] float32, "y": [N] int64}``; always the same split."""
+    x_train, y_train, x_test, y_test = _split()
+    train = {"x": torch.tensor(x_train), "y": torch.tensor(y_train)}
+    test = {"x": torch.tensor(x_test), "y": torch.tensor(y_test)}
+    return train, test
+
+
+def evaluate(model: nn.Module, X, y) -> dict[str, float]:
+    """``{"accuracy", "loss", "samples"}`` of ``model`` on images ``X`` ``[N, 1, 8, 8]`` and labels ``y``."""
+    data = {"x": torch.as_tensor(X, dtype=torch.float32), "y": torch.as_tensor(y, dtype=torch.int64)}
+    return classification_evaluate(model, data)
+
+
 class DigitsCNN:
     name = "digits-cnn"
     default_targets = ("conv2", "fc1")
@@ -30,3 +74,24 @@ class DigitsCNN:
     def build(self, config: dict[str, Any]) -> nn.Module:
         torch.manual_seed(int(config.get("seed", 0)))
         return DigitsNet(width=int(config.get("width", 16)))
+
+    def dataset(self, config: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The fixed train/test split; with ``num_devices`` and ``device_index`` in the config, the train part
+        is that device's Dirichlet shard (``alpha``, default 0.5; ``shard_seed``, default 0)."""
+        train, test = load_split()
+        if "device_index" in config:
+            shards = dirichlet_shards(
+                train["y"].numpy(),
+                int(config.get("num_devices", 10)),
+                float(config.get("alpha", 0.5)),
+                int(config.get("shard_seed", 0)),
+            )
+            index = torch.as_tensor(shards[int(config["device_index"])])
+            train = {key: value[index] for key, value in train.items()}
+        return train, test
+
+    def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, float]:
+        return classification_evaluate(model, data)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return classification_loss(model, batch)

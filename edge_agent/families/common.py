@@ -1,0 +1,76 @@
+"""What the classification families share: batches as dicts of tensors, loss, evaluation, non-IID shards.
+
+A data set (or a batch) is a dict of tensors with the same first dimension: the model's inputs by keyword
+(``x`` for the digits CNN, ``input_ids`` / ``attention_mask`` for MiniLM) and the labels under ``y``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LABEL = "y"
+
+
+def size(data: dict[str, torch.Tensor]) -> int:
+    return len(data[LABEL])
+
+
+def take(data: dict, index) -> dict:
+    """Rows ``index`` (a slice, index array or tensor) of every field."""
+    return {key: value[index] for key, value in data.items()}
+
+
+def concat(parts: list[dict]) -> dict:
+    parts = [p for p in parts if p and size(p)]
+    if not parts:
+        raise ValueError("nothing to concatenate")
+    return {key: torch.cat([torch.as_tensor(p[key]) for p in parts]) for key in parts[0]}
+
+
+def inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in batch.items() if key != LABEL}
+
+
+def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy of the model's logits on the batch."""
+    return F.cross_entropy(model(**inputs(batch)), batch[LABEL])
+
+
+@torch.no_grad()
+def classification_evaluate(model: nn.Module, data: dict[str, torch.Tensor], *, batch_size: int = 256) -> dict:
+    """``{"accuracy", "loss", "samples"}`` of the model on ``data``, in eval mode (its mode is restored)."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, n = 0.0, 0, size(data)
+    try:
+        for start in range(0, n, batch_size):
+            batch = take(data, slice(start, start + batch_size))
+            logits = model(**inputs(batch))
+            total_loss += float(F.cross_entropy(logits, batch[LABEL], reduction="sum"))
+            correct += int((logits.argmax(-1) == batch[LABEL]).sum())
+    finally:
+        model.train(was_training)
+    if n == 0:
+        return {"accuracy": float("nan"), "loss": float("nan"), "samples": 0}
+    return {"accuracy": correct / n, "loss": total_loss / n, "samples": n}
+
+
+def dirichlet_shards(labels, num_devices: int, alpha: float, seed: int = 0) -> list[np.ndarray]:
+    """Split sample indices into ``num_devices`` non-IID shards: for every class, the share each device gets
+    is drawn from Dirichlet(alpha) (small alpha: few classes per device). Every index lands in exactly one
+    shard; shards are sorted index arrays, deterministic from ``seed``."""
+    if num_devices <= 0 or alpha <= 0:
+        raise ValueError("num_devices and alpha must be positive")
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    shards: list[list[int]] = [[] for _ in range(num_devices)]
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        shares = rng.dirichlet(np.full(num_devices, alpha))
+        cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
+        for device, part in enumerate(np.split(members, cuts)):
+            shards[device].extend(part.tolist())
+    return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
