@@ -63,7 +63,13 @@ def _pending_assignment(device_id: str) -> dict | None:
     from training.delivery import assignment_message, current_assignment
 
     assignment = current_assignment(device_id)
-    return assignment_message(assignment) if assignment is not None else None
+    if assignment is None:
+        from training.rollouts import assignment_for_newcomer
+
+        # A newcomer's assignment is pushed to this socket by ``deliver`` once it is committed.
+        assignment_for_newcomer(device=Device.objects.get(pk=device_id))
+        return None
+    return assignment_message(assignment)
 
 
 @database_sync_to_async

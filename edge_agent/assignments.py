@@ -141,6 +141,7 @@ class AssignmentHandler:
                     "sha256": manifest["sha256"],
                     "path": str(target),
                     "installed_at": time.time(),
+                    "training": manifest.get("training"),
                 },
                 "previous": previous,
             }

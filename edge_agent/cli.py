@@ -1,14 +1,18 @@
 """``edge-agent``: the command devices run.
 
 edge-agent enroll --server URL --token T [--name NAME] [--label key=value ...]
-edge-agent run          # stay connected: heartbeats, commands, reconnect with backoff
-edge-agent status       # what this device knows about itself and its connection
+edge-agent run          # stay connected, train when the policy allows, upload deltas, apply assignments
+edge-agent train-once   # one training pass now (--force ignores the policy)
+edge-agent status       # identity, versions, outbox, last training, connection
+edge-agent export DIR   # the installed adapter as a PEFT directory
+edge-agent configure    # local settings: data source, power source, policy, training
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -53,15 +57,33 @@ def cmd_enroll(args) -> int:
     return 0
 
 
+def _load(args):
+    state = AgentState.load(args.home)
+    key = load_or_create_key(args.home)
+    return state, key
+
+
 def cmd_run(args) -> int:
     from edge_agent.connection import AgentConnection, Backoff, Retired
+    from edge_agent.runtime import DeviceRuntime, OutboxUploads
 
     try:
-        state = AgentState.load(args.home)
-        key = load_or_create_key(args.home)
+        state, key = _load(args)
+        runtime = DeviceRuntime(home=args.home, state=state, key=key)
     except (FileNotFoundError, PermissionError, ValueError) as error:
         print(error, file=sys.stderr)
         return 1
+
+    async def train_forever(stop: asyncio.Event) -> None:
+        interval = float(runtime.config.train_interval_seconds)
+        while not stop.is_set():
+            try:
+                outcome = await asyncio.to_thread(runtime.train_once)
+                logging.getLogger("edge_agent").info("training: %s (%s)", outcome["status"], outcome.get("reason"))
+            except Exception:  # a failed pass is logged and retried at the next interval, never fatal
+                logging.getLogger("edge_agent").exception("training pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval)
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -76,17 +98,84 @@ def cmd_run(args) -> int:
             home=args.home,
             state=state,
             key=key,
+            heartbeat=runtime.heartbeat,
             backoff=Backoff(cap=args.max_backoff),
             on_command=AssignmentHandler(home=args.home, state=state, session=session),
+            uploads=OutboxUploads(runtime.outbox),
         )
+        trainer = asyncio.create_task(train_forever(stop)) if not args.no_training else None
         try:
             await connection.run(stop)
         except Retired as retired:
             print(f"this device is retired: {retired}", file=sys.stderr)
             return 3
+        finally:
+            stop.set()
+            if trainer is not None:
+                await trainer
         return 0
 
     return asyncio.run(main())
+
+
+def cmd_train_once(args) -> int:
+    from edge_agent.runtime import DeviceRuntime
+
+    try:
+        state, key = _load(args)
+        outcome = DeviceRuntime(home=args.home, state=state, key=key).train_once(force=args.force)
+    except (FileNotFoundError, PermissionError, ValueError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(json.dumps(outcome, indent=2))
+    return 0 if outcome["status"] in ("trained", "skipped", "discarded") else 1
+
+
+def cmd_export(args) -> int:
+    from safetensors.torch import load_file, save_file
+
+    from edge_agent.assignments import AdapterStore
+    from edge_agent.lora import peft_config
+
+    current = AdapterStore(args.home).state().get("current")
+    if not current or not current.get("training"):
+        print("no adapter installed yet", file=sys.stderr)
+        return 1
+    training = current["training"]
+    args.directory.mkdir(parents=True, exist_ok=True)
+    save_file(load_file(current["path"]), str(args.directory / "adapter_model.safetensors"))
+    config = peft_config(
+        rank=training["rank"],
+        alpha=training["alpha"],
+        dropout=training.get("dropout", 0.0),
+        target_modules=training["target_modules"],
+        modules_to_save=training.get("modules_to_save", []),
+    )
+    (args.directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    print(f"exported {current['adapter']} v{current['version']} to {args.directory}")
+    return 0
+
+
+def cmd_configure(args) -> int:
+    from edge_agent.runtime import AgentConfig
+
+    config = AgentConfig.load(args.home)
+    if args.simulate_device:
+        index, _, total = args.simulate_device.partition("/")
+        config.data = {"kind": "simulated", "device_index": int(index), "num_devices": int(total or 10)}
+        if args.alpha is not None:
+            config.data["alpha"] = args.alpha
+    if args.power:
+        config.power = {"kind": args.power}
+    if args.min_new_samples is not None:
+        config.policy["min_new_samples"] = args.min_new_samples
+    if args.encoding:
+        config.encoding = args.encoding
+    if args.train_interval is not None:
+        config.train_interval_seconds = args.train_interval
+    config.save(args.home)
+    print(json.dumps(config.__dict__, indent=2))
+    return 0
 
 
 def cmd_status(args) -> int:
@@ -99,7 +188,28 @@ def cmd_status(args) -> int:
     connection = json.loads(status_path.read_text()) if status_path.exists() else {}
     if connection.get("updated_at"):
         connection["updated_seconds_ago"] = round(time.time() - connection.pop("updated_at"), 1)
-    print(json.dumps({"identity": state, "connection": connection}, indent=2))
+    from edge_agent.assignments import AdapterStore
+    from edge_agent.packaging import Outbox
+    from edge_agent.runtime import LAST_TRAINING_FILE, AgentConfig
+
+    adapters = AdapterStore(args.home).state()
+    outbox: dict[str, int] = {}
+    for item in Outbox(args.home).items():
+        outbox[item.state] = outbox.get(item.state, 0) + 1
+    last_path = args.home / LAST_TRAINING_FILE
+    last = json.loads(last_path.read_text()) if last_path.exists() else None
+    config = AgentConfig.load(args.home)
+    report = {
+        "identity": state,
+        "connection": connection,
+        "versions": {"current": adapters.get("current"), "previous": adapters.get("previous")},
+        "outbox": outbox,
+        "last_training": last,
+        "next_training_check_in_seconds": (
+            max(0.0, round(last["at"] + config.train_interval_seconds - time.time(), 1)) if last else 0.0
+        ),
+    }
+    print(json.dumps(report, indent=2, default=str))
     return 0
 
 
@@ -120,7 +230,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="stay connected to the server")
     run.add_argument("--max-backoff", type=float, default=60.0, help="longest wait between reconnects (s)")
+    run.add_argument("--no-training", action="store_true", help="only stay connected (no local training)")
     run.set_defaults(handler=cmd_run)
+
+    train = commands.add_parser("train-once", help="one training pass now")
+    train.add_argument("--force", action="store_true", help="ignore the sample, power and time policy")
+    train.set_defaults(handler=cmd_train_once)
+
+    export = commands.add_parser("export", help="write the installed adapter as a PEFT directory")
+    export.add_argument("directory", type=Path)
+    export.set_defaults(handler=cmd_export)
+
+    configure = commands.add_parser("configure", help="local settings (stored in <home>/settings.json)")
+    configure.add_argument("--simulate-device", metavar="INDEX/TOTAL", help="demo data: this device's shard")
+    configure.add_argument("--alpha", type=float, help="Dirichlet alpha of the simulated shards")
+    configure.add_argument("--power", choices=["sysfs", "simulated"])
+    configure.add_argument("--min-new-samples", type=int)
+    configure.add_argument("--encoding", choices=["f32", "f16", "int8"])
+    configure.add_argument("--train-interval", type=float, help="seconds between training checks")
+    configure.set_defaults(handler=cmd_configure)
 
     status = commands.add_parser("status", help="show identity and connection state")
     status.set_defaults(handler=cmd_status)

@@ -2,7 +2,9 @@
 
 The server signs, with its Ed25519 key, the canonical JSON of
 ``{purpose, device_id, adapter, version, sha256, size, base_model_sha256, assignment_seq, issued_at,
-expires_at}``. The agent pinned the server's public key at enrollment and refuses, each with its own code:
+expires_at}`` and, optionally, ``training``: how to build and train the adapter (model family and its
+config, LoRA rank, alpha, dropout, targets, modules to save, FFA mode). It is signed with the rest, so a
+device never builds a model family or trains a configuration the server did not sign. The agent pinned the server's public key at enrollment and refuses, each with its own code:
 an unsigned or wrongly signed manifest, an expired one, one for another device or base model, one whose
 ``assignment_seq`` is not newer than the last it accepted (an operator's rollback is a new assignment
 pointing at an old version, so it still carries a newer sequence), and a downloaded file whose size or
@@ -56,8 +58,10 @@ def verify_manifest(
     for field, kind in FIELDS.items():
         if not isinstance(manifest.get(field), kind) or isinstance(manifest.get(field), bool):
             raise ManifestRefused("malformed", f"manifest field {field!r} is missing or of the wrong type")
-    if set(manifest) != set(FIELDS):
+    if set(manifest) - {"training"} != set(FIELDS):
         raise ManifestRefused("malformed", f"unexpected manifest fields: {sorted(set(manifest) - set(FIELDS))}")
+    if "training" in manifest and not isinstance(manifest["training"], dict):
+        raise ManifestRefused("malformed", "manifest field 'training' must be an object")
     try:
         ok = verify(public_key_from_b64(server_public_key), manifest, signature)
     except ValueError:

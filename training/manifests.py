@@ -11,6 +11,23 @@ from fleet.server_key import server_private_key
 MANIFEST_LIFETIME_SECONDS = 7 * 24 * 3600
 
 
+def training_config(adapter) -> dict:
+    """What a device needs to build the base and train this adapter, signed into every manifest."""
+    from training.aggregation_settings import aggregation_settings
+
+    settings_ = aggregation_settings(adapter)
+    return {
+        "family": adapter.base_model.family,
+        "family_config": adapter.base_model.family_config,
+        "rank": adapter.rank,
+        "alpha": adapter.alpha,
+        "dropout": adapter.dropout,
+        "target_modules": adapter.target_modules,
+        "modules_to_save": adapter.modules_to_save,
+        "ffa": bool(settings_["ffa"] or settings_["strategy"] == "ffa_lora"),
+    }
+
+
 def manifest_sign(*, device_id: str, version, assignment_seq: int, lifetime: int = MANIFEST_LIFETIME_SECONDS) -> dict:
     issued = time.time()
     manifest = {
@@ -24,5 +41,6 @@ def manifest_sign(*, device_id: str, version, assignment_seq: int, lifetime: int
         "assignment_seq": assignment_seq,
         "issued_at": round(issued, 3),
         "expires_at": round(issued + lifetime, 3),
+        "training": training_config(version.adapter),
     }
     return {"manifest": manifest, "signature": sign(server_private_key(), manifest)}

@@ -373,3 +373,21 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
         if status == "installed":
             Device.objects.filter(pk=device.pk).update(running_version=assignment.version)
     return assignment
+
+
+def assignment_for_newcomer(*, device: Device) -> Assignment | None:
+    """A device that joined its cohort after the cohort's last rollout finished gets that rollout's version,
+    so the fleet converges without an operator re-running rollouts for every new device. A device that has
+    ever had an assignment is left to the rollouts (and the operator's rollbacks) that made it."""
+    if device.assignments.exists():
+        return None
+    rollout = (
+        Rollout.objects.filter(cohort_id=device.cohort_id, state=Rollout.State.COMPLETED)
+        .exclude(version__state=AdapterVersion.State.REVOKED)
+        .select_related("version")
+        .order_by("-finished_at", "-id")
+        .first()
+    )
+    if rollout is None:
+        return None
+    return assignment_create(device=device, version=rollout.version, rollout=rollout, phase=len(rollout.phases) - 1)

@@ -1,0 +1,241 @@
+"""The device's own loop: collect local samples, decide whether to train, train the installed adapter,
+package the delta into the outbox; and the bridge between the outbox and the socket uploader.
+
+Local settings live in ``<home>/settings.json`` (data source, power source, policy, training, encoding);
+what to train (family, LoRA configuration) comes from the signed manifest of the installed version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from edge_agent.assignments import AdapterStore
+from edge_agent.families import get_family
+from edge_agent.identity import AgentState, atomic_write
+from edge_agent.lora_layers import adapter_tensors, apply_adapter
+from edge_agent.packaging import Outbox
+from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
+from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
+from edge_agent.training import TrainConfig, train_adapter
+
+logger = logging.getLogger("edge_agent.runtime")
+CONFIG_FILE = "settings.json"
+LAST_TRAINING_FILE = "last_training.json"
+
+
+@dataclass
+class AgentConfig:
+    """Local, per-device settings (never sent by the server)."""
+
+    data: dict[str, Any] = field(default_factory=lambda: {"kind": "simulated", "device_index": 0, "num_devices": 10})
+    power: dict[str, Any] = field(default_factory=lambda: {"kind": "sysfs"})
+    policy: dict[str, Any] = field(default_factory=lambda: {"min_new_samples": 32, "min_battery_percent": 30.0})
+    train: dict[str, Any] = field(default_factory=lambda: {"epochs": 3, "lr": 0.01, "replay_ratio": 0.25})
+    encoding: str = "f32"
+    train_interval_seconds: float = 30.0
+
+    @classmethod
+    def load(cls, home: Path) -> AgentConfig:
+        path = home / CONFIG_FILE
+        if not path.exists():
+            return cls()
+        values = json.loads(path.read_text())
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        return cls(**values)
+
+    def save(self, home: Path) -> None:
+        atomic_write(home / CONFIG_FILE, json.dumps(self.__dict__, indent=2).encode(), mode=0o600)
+
+
+def power_source(config: dict[str, Any]):
+    kind = config.get("kind", "sysfs")
+    if kind == "simulated":
+        return SimulatedPower(**{k: v for k, v in config.items() if k != "kind"})
+    if kind == "sysfs":
+        return SysfsPower()
+    raise ValueError(f"unknown power source {kind!r}: use 'sysfs' or 'simulated'")
+
+
+class DeviceRuntime:
+    def __init__(self, *, home: Path, state: AgentState, key, config: AgentConfig | None = None):
+        self.home, self.state, self.key = home, state, key
+        self.config = config or AgentConfig.load(home)
+        self.adapters = AdapterStore(home)
+        self.outbox = Outbox(home)
+        self.samples = SampleStore(home / "samples")
+        self.power = power_source(self.config.power)
+        self.policy = TrainingPolicy(**self.config.policy)
+        self.last: dict[str, Any] = self._read_last()
+
+    def _read_last(self) -> dict:
+        path = self.home / LAST_TRAINING_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def _note(self, **outcome) -> dict:
+        outcome["at"] = time.time()
+        self.last = outcome
+        atomic_write(self.home / LAST_TRAINING_FILE, json.dumps(outcome).encode(), mode=0o600)
+        return outcome
+
+    def power_state(self) -> PowerState | None:
+        return self.power.read()
+
+    def heartbeat(self) -> dict:
+        power = self.power_state()
+        beat: dict[str, Any] = {}
+        if power is not None:
+            if power.battery_percent is not None:
+                beat["battery"] = round(float(power.battery_percent), 1)
+            beat["charging"] = bool(power.charging)
+        after = (self.last.get("after") or {}) if self.last.get("status") == "trained" else {}
+        metrics = {f"val_{k}": round(float(v), 4) for k, v in after.items() if isinstance(v, int | float)}
+        if metrics:
+            beat["metrics"] = metrics
+        return beat
+
+    def _source(self, family, training: dict) -> SimulatedStream | None:
+        data = self.config.data
+        if data.get("kind") != "simulated":
+            return None
+        shard_config = {**training.get("family_config", {}), **{k: v for k, v in data.items() if k != "kind"}}
+        train, _ = family.dataset(shard_config)
+        stream = SimulatedStream(train, per_poll=int(data.get("per_poll", 16)), seed=int(data.get("device_index", 0)))
+        stream.seek(len(self.samples))
+        return stream
+
+    def train_once(self, *, force: bool = False) -> dict:
+        """One pass of the loop; returns (and records) what it decided and why."""
+        current = self.adapters.state().get("current")
+        if not current or not current.get("training"):
+            return self._note(status="skipped", reason="no adapter installed yet: waiting for an assignment")
+        training = current["training"]
+        family = get_family(training["family"])
+        source = self._source(family, training)
+        if source is not None:
+            self.samples.collect(source, max_polls=1)
+        if not force:
+            go, reason = self.policy.decide(new_samples=self.samples.new_count(), power=self.power_state())
+            if not go:
+                return self._note(status="skipped", reason=reason)
+        base_sha = self.adapters.state()["base_model_sha256"]
+        base = family.build(training.get("family_config", {}))
+        base.load_state_dict(load_file(str(self.adapters.base_path(base_sha))), strict=True)
+        started = {k: v.clone() for k, v in load_file(current["path"]).items()}
+        model = apply_adapter(
+            base,
+            {k: v.clone() for k, v in started.items()},
+            rank=training["rank"],
+            alpha=training["alpha"],
+            dropout=training.get("dropout", 0.0),
+            target_modules=training["target_modules"],
+            modules_to_save=training.get("modules_to_save", []),
+        )
+        data = {k: torch.as_tensor(v) for k, v in self.samples.load().items()}
+        train, val = local_split(data)
+        config = TrainConfig(**{**self.config.train, "checkpoint_dir": self.home / "checkpoints"})
+        replay = ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
+        result = train_adapter(model, train, val, config=config, family=family, replay=replay)
+        count = len(self.samples)
+        if result.discarded:
+            self.samples.mark_trained(count)
+            logger.info("discarded the update: %s", result.reason)
+            return self._note(status="discarded", reason=result.reason, before=result.before, after=result.after)
+        item, added = self.outbox.put_delta(
+            adapter_tensors(model),
+            started,
+            key=self.key,
+            device_id=self.state.device_id,
+            adapter=current["adapter"],
+            base_version=current["version"],
+            num_samples=max(1, result.num_samples),
+            encoding=self.config.encoding,
+            only_b=bool(training.get("ffa")),
+        )
+        metrics = {f"before_{k}": v for k, v in result.before.items()} | {
+            f"after_{k}": v for k, v in result.after.items()
+        }
+        atomic_write(item.path.with_suffix(".metrics.json"), json.dumps(metrics).encode(), mode=0o600)
+        self.samples.mark_trained(count)
+        logger.info(
+            "trained %s v%s on %d samples: %s -> %s; delta %s queued (counter %d)",
+            current["adapter"],
+            current["version"],
+            result.num_samples,
+            result.before,
+            result.after,
+            item.sha256[:12],
+            item.counter,
+        )
+        return self._note(
+            status="trained",
+            reason="policy allowed" if not force else "forced",
+            before=result.before,
+            after=result.after,
+            sha256=item.sha256,
+            counter=item.counter,
+            new=added,
+            version=current["version"],
+        )
+
+
+class OutboxUploads:
+    """The outbox seen by the socket uploader (``edge_agent.connection.UploadSource``)."""
+
+    def __init__(self, outbox: Outbox):
+        self.outbox = outbox
+
+    def next_upload(self) -> dict | None:
+        pending = self.outbox.pending()
+        if not pending:
+            return None
+        item = pending[0]
+        metrics_path = item.path.with_suffix(".metrics.json")
+        return {
+            "sha256": item.sha256,
+            "path": str(item.path),
+            "envelope": item.envelope["envelope"],
+            "signature": item.envelope["signature"],
+            "metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else {},
+        }
+
+    def _mark(self, sha256: str, state: str, **fields) -> None:
+        try:
+            self.outbox.mark(sha256, state, **fields)
+        except (KeyError, ValueError) as error:  # already final, or not ours: nothing to change
+            logger.debug("outbox %s -> %s ignored: %s", sha256[:12], state, error)
+
+    def on_state(self, sha256: str, state: dict) -> None:
+        server_state = state.get("state")
+        if server_state == "uploading":
+            self._mark(sha256, "uploading", bytes_acknowledged=int(state.get("offset", 0)))
+        elif server_state == "received":
+            self._mark(sha256, "sent", bytes_acknowledged=int(state.get("size", 0)))
+            logger.info("delta %s received by the server (id %s)", sha256[:12], state.get("delta_id"))
+        elif server_state in ("accepted", "aggregated"):
+            self._mark(sha256, "accepted")
+        elif server_state == "rejected":
+            self._mark(sha256, "rejected", detail=f"{state.get('rejection_code')}: {state.get('rejection_detail')}")
+
+    def on_error(self, sha256: str, code: str, message: str) -> None:
+        logger.warning("upload of %s refused: %s: %s", sha256[:12], code, message)
+        if code in ("wrong_device", "malformed_envelope"):
+            self._mark(sha256, "rejected", detail=f"{code}: {message}")
+
+    def on_result(self, result: dict) -> None:
+        sha256 = str(result.get("sha256", ""))
+        if result.get("state") == "rejected":
+            logger.warning("delta %s rejected: %s: %s", sha256[:12], result.get("code"), result.get("detail"))
+            self._mark(sha256, "rejected", detail=f"{result.get('code')}: {result.get('detail')}")
+        elif result.get("state") in ("accepted", "aggregated"):
+            logger.info("delta %s accepted", sha256[:12])
+            self._mark(sha256, "accepted")
