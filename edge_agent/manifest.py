@@ -4,11 +4,11 @@ The server signs, with its Ed25519 key, the canonical JSON of
 ``{purpose, device_id, adapter, version, sha256, size, base_model_sha256, assignment_seq, issued_at,
 expires_at}`` and, optionally, ``training``: how to build and train the adapter (model family and its
 config, LoRA rank, alpha, dropout, targets, modules to save, FFA mode). It is signed with the rest, so a
-device never builds a model family or trains a configuration the server did not sign. The agent pinned the server's public key at enrollment and refuses, each with its own code:
-an unsigned or wrongly signed manifest, an expired one, one for another device or base model, one whose
-``assignment_seq`` is not newer than the last it accepted (an operator's rollback is a new assignment
-pointing at an old version, so it still carries a newer sequence), and a downloaded file whose size or
-sha256 differs from the manifest.
+device never builds a model family or trains a configuration the server did not sign. The agent pinned
+the server's public key at enrollment and refuses, each with its own code: an unsigned or wrongly
+signed manifest, an expired one, one for another device or base model, one whose ``assignment_seq``
+is not newer than the last it accepted (an operator's rollback is a new assignment pointing at an old
+version, so it still carries a newer sequence), and a downloaded file whose size or sha256 differs from the manifest.
 """
 
 from __future__ import annotations
