@@ -22,8 +22,9 @@ from edge_agent.manifest import ManifestRefused, verify_manifest
 from edge_agent.rest import DeviceSession, ServerError
 
 logger = logging.getLogger("edge_agent.assignments")
-# Evaluates an adapter file on local validation data, returning metrics such as {"val_accuracy": 0.93}.
-Evaluator = Callable[[Path | None, Path], dict]
+# Evaluates a new adapter file (and the one it replaces) on local validation data, given the signed manifest,
+# returning guard metrics such as {"val_accuracy": 0.93, "val_accuracy_change": -0.01}.
+Evaluator = Callable[[Path | None, Path, dict], dict]
 
 
 class AdapterStore:
@@ -126,7 +127,7 @@ class AssignmentHandler:
         metrics = {}
         if self.evaluate is not None:
             try:
-                metrics = self.evaluate(Path(previous["path"]) if previous else None, target) or {}
+                metrics = self.evaluate(Path(previous["path"]) if previous else None, target, manifest) or {}
             except Exception as error:  # a broken evaluation must not brick the device: report it
                 self._report(assignment_id, "failed", f"evaluation failed: {type(error).__name__}: {error}")
                 return {"status": "failed", "code": "evaluation_failed"}

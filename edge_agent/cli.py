@@ -100,7 +100,9 @@ def cmd_run(args) -> int:
             key=key,
             heartbeat=runtime.heartbeat,
             backoff=Backoff(cap=args.max_backoff),
-            on_command=AssignmentHandler(home=args.home, state=state, session=session),
+            on_command=AssignmentHandler(
+                home=args.home, state=state, session=session, evaluate=runtime.evaluate_versions
+            ),
             uploads=OutboxUploads(runtime.outbox),
         )
         trainer = asyncio.create_task(train_forever(stop)) if not args.no_training else None

@@ -113,6 +113,49 @@ class DeviceRuntime:
         stream.seek(len(self.samples))
         return stream
 
+    def _model(self, training: dict, tensors: dict, base_sha: str):
+        family = get_family(training["family"])
+        base = family.build(training.get("family_config", {}))
+        base.load_state_dict(load_file(str(self.adapters.base_path(base_sha))), strict=True)
+        model = apply_adapter(
+            base,
+            {k: v.clone() for k, v in tensors.items()},
+            rank=training["rank"],
+            alpha=training["alpha"],
+            dropout=training.get("dropout", 0.0),
+            target_modules=training["target_modules"],
+            modules_to_save=training.get("modules_to_save", []),
+        )
+        return family, model
+
+    def evaluate_versions(self, previous: Path | None, candidate: Path, manifest: dict) -> dict:
+        """Guard metrics for an assignment: the candidate on this device's local validation slice, and the
+        change against the version it replaces (when there is one and it was trained the same way)."""
+        training = manifest.get("training")
+        if not training:
+            return {}
+        family = get_family(training["family"])
+        source = self._source(family, training)
+        if source is not None and len(self.samples) == 0:
+            self.samples.collect(source, max_polls=1)
+        if len(self.samples) == 0:
+            return {}
+        _, val = local_split({k: torch.as_tensor(v) for k, v in self.samples.load().items()})
+        if not len(next(iter(val.values()))):
+            return {}
+        metrics: dict[str, float] = {}
+        for label, path in (("", candidate), ("previous_", previous)):
+            if path is None or not Path(path).exists():
+                continue
+            _, model = self._model(training, load_file(str(path)), manifest["base_model_sha256"])
+            with torch.no_grad():
+                for name, value in family.evaluate(model.eval(), val).items():
+                    metrics[f"{label}val_{name}"] = round(float(value), 6)
+        for name in [k for k in metrics if not k.startswith("previous_")]:
+            if f"previous_{name}" in metrics:
+                metrics[f"{name}_change"] = round(metrics[name] - metrics[f"previous_{name}"], 6)
+        return metrics
+
     def train_once(self, *, force: bool = False) -> dict:
         """One pass of the loop; returns (and records) what it decided and why."""
         current = self.adapters.state().get("current")
@@ -127,19 +170,8 @@ class DeviceRuntime:
             go, reason = self.policy.decide(new_samples=self.samples.new_count(), power=self.power_state())
             if not go:
                 return self._note(status="skipped", reason=reason)
-        base_sha = self.adapters.state()["base_model_sha256"]
-        base = family.build(training.get("family_config", {}))
-        base.load_state_dict(load_file(str(self.adapters.base_path(base_sha))), strict=True)
         started = {k: v.clone() for k, v in load_file(current["path"]).items()}
-        model = apply_adapter(
-            base,
-            {k: v.clone() for k, v in started.items()},
-            rank=training["rank"],
-            alpha=training["alpha"],
-            dropout=training.get("dropout", 0.0),
-            target_modules=training["target_modules"],
-            modules_to_save=training.get("modules_to_save", []),
-        )
+        family, model = self._model(training, started, self.adapters.state()["base_model_sha256"])
         data = {k: torch.as_tensor(v) for k, v in self.samples.load().items()}
         train, val = local_split(data)
         config = TrainConfig(**{**self.config.train, "checkpoint_dir": self.home / "checkpoints"})

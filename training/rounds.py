@@ -198,7 +198,9 @@ def round_rerun(*, round_: Round, actor) -> Round:
     """Run a failed round's aggregation again, on the same deltas."""
     locked = Round.objects.select_for_update().get(pk=round_.pk)
     if locked.state != Round.State.FAILED:
-        raise ApiError("invalid_transition", f"only a failed round runs again; this one is {locked.state}", 409)
+        raise ApiError(
+            "invalid_transition", f"only a failed round runs again; this one is {locked.state}", status_code=409
+        )
     Round.objects.filter(pk=locked.pk).update(state=Round.State.AGGREGATING, failure="")
     _record("round.rerun", actor=actor, adapter=locked.adapter, round=locked.pk)
     from training.tasks import aggregate_round

@@ -62,8 +62,16 @@ class DeviceEventSerializer(serializers.ModelSerializer):
         fields = ["id", "kind", "actor_label", "detail", "created_at"]
 
 
+class VersionRefSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    adapter = serializers.CharField(source="adapter.name")
+    number = serializers.IntegerField()
+
+
 class DeviceSerializer(serializers.ModelSerializer):
     cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
+    running_version = VersionRefSerializer(read_only=True, allow_null=True)
+    desired_version = VersionRefSerializer(read_only=True, allow_null=True)
 
     class Meta:
         model = Device
@@ -83,6 +91,8 @@ class DeviceSerializer(serializers.ModelSerializer):
             "charging",
             "free_memory_mb",
             "local_metrics",
+            "running_version",
+            "desired_version",
         ]
         read_only_fields = [f for f in fields if f not in ("name", "cohort", "labels")]
 

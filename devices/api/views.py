@@ -115,7 +115,7 @@ class DeviceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     reactivate them (an incident response). Every change is recorded as a device event with its author."""
 
     write_role = Role.ADMIN
-    queryset = Device.objects.select_related("cohort")
+    queryset = Device.objects.select_related("cohort", "running_version__adapter", "desired_version__adapter")
     filterset_class = DeviceFilter
     search_fields = ["name", "agent_version"]
     ordering_fields = ["name", "enrolled_at", "last_seen_at", "status"]

@@ -36,7 +36,7 @@ def agent(enrolled, live_server, tmp_path, adapter, cohort):
     session = DeviceSession(server=live_server.url, device_id=device.id, key=device.key)
     evaluated = []
 
-    def evaluate(previous, candidate):
+    def evaluate(previous, candidate, manifest=None):
         evaluated.append((previous, candidate))
         return {"val_accuracy": 0.91, "val_loss": 0.3}
 

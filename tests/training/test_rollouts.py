@@ -245,3 +245,22 @@ def test_a_rollout_needs_a_live_version_for_a_cohort_the_adapter_serves(versions
     with pytest.raises(ApiError) as caught:
         _rollout(versions[0], versions[0].adapter.cohorts.first(), operator)
     assert caught.value.error_code == "version_revoked"
+
+
+@pytest.mark.django_db
+def test_a_device_that_joins_after_a_rollout_completed_gets_its_version(adapter, cohort, enrolled, make_user):
+    from training.rollouts import assignment_for_newcomer, rollout_create, rollout_start, rollout_tick
+    from training.services import version_create_seeded
+
+    adapter.cohorts.add(cohort)
+    version = version_create_seeded(adapter=adapter, seed=1)
+    operator = make_user("operator")
+    rollout = rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}], actor=operator)
+    rollout_start(rollout=rollout, actor=operator)
+    rollout_tick(rollout=rollout)
+    rollout.refresh_from_db()
+    assert rollout.state == "completed"
+    late = enrolled("active", name="late")
+    assignment = assignment_for_newcomer(device=late.device)
+    assert assignment is not None and assignment.version == version
+    assert assignment_for_newcomer(device=late.device) is None  # only once: later changes come by rollout
