@@ -168,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
 
         _say("applying migrations")
         _manage(env, "migrate", "--noinput")
+        if args.reset:
+            _say("--reset: deleting every row in the database and the demo devices' state")
+            _manage(env, "flush", "--noinput")
+            shutil.rmtree(data_dir / "demo", ignore_errors=True)
         username, password = _manage(env, "ensure_demo_operator").split()[-2:]
 
         supervisor = Supervisor(env)
@@ -241,6 +245,16 @@ def run(args: argparse.Namespace) -> int:
             _say(f"dashboard:  {base}/   sign in as {username} / {password}")
             _say(f"API docs:   {base}/api/docs/")
             _say(f"readiness:  {base}/readyz")
+            if args.demo:
+                supervisor.start(
+                    "demo",
+                    [python, "manage.py", "demo_fleet", "--server", base, "--devices", str(args.devices)],
+                )
+                _say(
+                    f"demo fleet: {args.devices} simulated devices enroll, train and upload; within a few minutes "
+                    f"rounds complete and accuracy rises: {base}/ (overview), {base}/api/v1/rounds/, "
+                    f"{base}/api/v1/adapter-versions/ (eval_accuracy per version)"
+                )
             _say("press Ctrl-C to stop")
         elif not supervisor.stopping.is_set():
             _say(f"not ready after {args.ready_timeout:.0f}s; see {base}/readyz and the output above")
@@ -286,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         "--worker-concurrency", type=int, default=int(os.environ.get("WORKER_CONCURRENCY", min(cpus, 2)))
     )
     run_parser.add_argument("--ready-timeout", type=float, default=120.0)
+    run_parser.add_argument(
+        "--devices", type=int, default=int(os.environ.get("FLEET_DEMO_DEVICES", "12")), help="demo fleet size"
+    )
+    run_parser.add_argument("--no-demo", dest="demo", action="store_false", help="no demo setup and no fleet")
+    run_parser.add_argument(
+        "--reset", action="store_true", help="start from an empty database (deletes all rows) and a new demo fleet"
+    )
 
     exec_parser = commands.add_parser("exec", help="run a command with DATABASE_URL and REDIS_URL provided")
     exec_parser.add_argument("command", nargs=argparse.REMAINDER)

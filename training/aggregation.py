@@ -20,7 +20,7 @@ from django.utils import timezone
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from training.aggregation_settings import dp_settings
+from training.aggregation_settings import aggregation_settings, dp_settings
 from training.blobs import blob_local_path, blob_put_bytes, blob_read
 from training.models import Adapter, AdapterVersion, Delta, Round
 from training.services import _next_number, _record
@@ -201,6 +201,10 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
         transaction.on_commit(
             lambda: round_event(round_, kind="round.completed", deltas=len(deltas), result_version=version.number)
         )
+        if aggregation_settings(round_.adapter)["auto_release"]:
+            from training.tasks import release_round_result
+
+            transaction.on_commit(lambda: release_round_result.delay(version.pk))
     logger.info("round %s made %s from %d deltas in %.2fs", round_.pk, version, len(deltas), seconds)
     return version
 

@@ -22,6 +22,7 @@ AGGREGATION_DEFAULTS: dict[str, Any] = {
     "shard_size": 64,  # deltas per Celery shard for shardable strategies
     "auto_rounds": True,  # open a round when a delta is accepted and none is collecting
     "ffa": False,  # FFA-LoRA: deltas carry only lora_B (and saved modules)
+    "auto_release": False,  # release each round's version and roll it out to the adapter's cohorts at once
 }
 
 DP_DEFAULTS: dict[str, Any] = {
@@ -65,6 +66,9 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
         value = merged[name]
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive number or null")
+    for name in ("auto_rounds", "ffa", "auto_release"):
+        if not isinstance(merged[name], bool):
+            raise ValueError(f"{name} must be true or false")
     if not 0 <= float(merged["trim_ratio"]) < 0.5:
         raise ValueError("trim_ratio must be in [0, 0.5)")
     return values

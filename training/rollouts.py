@@ -391,3 +391,30 @@ def assignment_for_newcomer(*, device: Device) -> Assignment | None:
     if rollout is None:
         return None
     return assignment_create(device=device, version=rollout.version, rollout=rollout, phase=len(rollout.phases) - 1)
+
+
+@transaction.atomic
+def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
+    """Continuous personalization (the adapter's ``auto_release``): release a round's new version and roll it
+    out to every cohort the adapter serves in one phase, superseding an earlier automatic rollout still in
+    flight. Operators who want staged, guarded rollouts leave ``auto_release`` off and roll out themselves."""
+    from training.services import version_transition
+
+    version = AdapterVersion.objects.select_for_update().get(pk=version.pk)
+    if version.state == AdapterVersion.State.REVOKED:
+        return []
+    if version.state == AdapterVersion.State.CANDIDATE:
+        version = version_transition(version=version, action="release", actor=None, reason="auto_release")
+    started = []
+    for cohort in version.adapter.cohorts.all():
+        busy = Rollout.objects.filter(
+            cohort=cohort, version__adapter=version.adapter, state__in=[Rollout.State.RUNNING, Rollout.State.PAUSED]
+        )
+        for earlier in busy:
+            if earlier.version.number >= version.number:
+                break
+            rollout_abort(rollout=earlier, actor=None, reason=f"superseded by v{version.number}")
+        else:
+            rollout = rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}], actor=None)
+            started.append(rollout_start(rollout=rollout, actor=None))
+    return started

@@ -124,6 +124,12 @@ def adapter_create(
     return adapter
 
 
+def _evaluate(adapter: Adapter, tensors: dict) -> dict:
+    from training.evaluation import evaluate_tensors
+
+    return evaluate_tensors(adapter, tensors)
+
+
 def _next_number(adapter: Adapter) -> int:
     Adapter.objects.select_for_update().filter(pk=adapter.pk).first()  # serialise numbering per adapter
     return (adapter.versions.aggregate(top=Max("number"))["top"] or 0) + 1
@@ -143,6 +149,7 @@ def version_create_seeded(*, adapter: Adapter, seed: int, actor=None, note: str 
         number=_next_number(adapter),
         blob_sha256=blob.sha256,
         size=blob.size,
+        metrics=_evaluate(adapter, tensors),
         source=AdapterVersion.Source.SEED,
         seed=seed,
         note=note,
@@ -162,7 +169,7 @@ def version_import(
     if config is not None:
         _check_peft_config(adapter, config)
     try:
-        load_checked(data, adapter.tensor_spec)
+        tensors = load_checked(data, adapter.tensor_spec)
     except ArtifactRejected as exc:
         raise _rejected(exc) from None
     blob = blob_put_bytes(data)
@@ -173,6 +180,7 @@ def version_import(
         parent=parent,
         blob_sha256=blob.sha256,
         size=blob.size,
+        metrics=_evaluate(adapter, tensors),
         source=AdapterVersion.Source.IMPORT,
         note=note,
         created_by=actor,

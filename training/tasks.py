@@ -72,3 +72,12 @@ def close_due_rounds() -> int:
     from training.rounds import close_due_rounds as close_due
 
     return close_due()
+
+
+@shared_task(name="training.tasks.release_round_result", ignore_result=True, time_limit=120, soft_time_limit=100)
+def release_round_result(version_id: int) -> int:
+    from training.models import AdapterVersion
+    from training.rollouts import round_result_release
+
+    version = AdapterVersion.objects.filter(pk=version_id).first()
+    return len(round_result_release(version=version)) if version is not None else 0

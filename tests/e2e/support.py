@@ -74,7 +74,10 @@ def spawn(argv: list[str], env: dict) -> tuple[subprocess.Popen, Output]:
     return process, Output(process)
 
 
-def start_launcher(env: dict, port: int, timeout: float = 120) -> tuple[subprocess.Popen, Output]:
+def start_launcher(
+    env: dict, port: int, timeout: float = 120, demo_devices: int | None = None
+) -> tuple[subprocess.Popen, Output]:
+    """The product as `make run` starts it; without ``demo_devices``, no demo fleet (``--no-demo``)."""
     process, output = spawn(
         [
             sys.executable,
@@ -87,6 +90,7 @@ def start_launcher(env: dict, port: int, timeout: float = 120) -> tuple[subproce
             "1",
             "--worker-concurrency",
             "1",
+            *(["--devices", str(demo_devices)] if demo_devices else ["--no-demo"]),
         ],
         env,
     )

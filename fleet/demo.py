@@ -1,0 +1,234 @@
+"""The demo fleet ``make run`` starts: a seeded setup and simulated devices running the real agent code.
+
+On first start ``seed`` creates (through the product's services, idempotently) two cohorts, the
+``digits-cnn`` base model, the ``digits-lora`` adapter with continuous personalization on (each round's
+version is released and rolled out at once), version 1 and its rollouts, and pre-authorized enrollment
+tokens. ``run_fleet`` then runs N full agents in this one process, each with its own identity, key,
+outbox, non-IID data shard and power state: they enroll over HTTP, connect over the WebSocket, train,
+upload, install new versions and report metrics. Some go offline now and then and come back, some run on
+battery, and the last one is misbehaving (its updates are blown up 10,000 times, so the server rejects them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from edge_agent.connection import AgentConnection, Backoff
+from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key
+from edge_agent.lora_layers import adapter_tensors
+from edge_agent.runtime import AgentConfig, DeviceRuntime, OutboxUploads
+
+logger = logging.getLogger("fleet.demo")
+COHORTS = ("eu-phones", "us-wearables")
+ADAPTER = "digits-lora"
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def seed(*, devices: int) -> dict[str, str]:
+    """Create what the demo needs (once) and fresh enrollment tokens; returns {cohort: raw token}."""
+    from django.utils import timezone
+
+    from devices.models import Cohort
+    from devices.services import cohort_create, enrollment_token_create
+    from training.models import Adapter, BaseModel, Rollout
+    from training.rollouts import rollout_create, rollout_start
+    from training.services import adapter_create, base_model_create, version_create_seeded, version_transition
+
+    cohorts = [Cohort.objects.filter(name=n).first() or cohort_create(name=n) for n in COHORTS]
+    base = BaseModel.objects.filter(name="digits").first() or base_model_create(
+        name="digits", family="digits-cnn", family_config={"seed": 1}
+    )
+    adapter = Adapter.objects.filter(name=ADAPTER).first()
+    if adapter is None:
+        adapter = adapter_create(
+            name=ADAPTER,
+            base_model=base,
+            rank=4,
+            alpha=8.0,
+            cohorts=cohorts,
+            aggregation={
+                "strategy": "fedbuff",
+                "buffer_size": max(3, devices // 3),
+                "min_deltas": 2,
+                "round_timeout_seconds": 90,
+                "auto_release": True,
+            },
+        )
+        _say(f"created adapter {ADAPTER} (fedbuff, K={max(3, devices // 3)}, new versions released automatically)")
+    if not adapter.versions.exists():
+        version = version_create_seeded(adapter=adapter, seed=1, note="demo seed")
+        version_transition(version=version, action="release", actor=None, reason="demo")
+        for cohort in cohorts:
+            rollout_start(
+                rollout=rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}], actor=None),
+                actor=None,
+            )
+        _say("seeded version 1 and rolled it out to both cohorts")
+    elif not Rollout.objects.filter(version__adapter=adapter).exists():
+        _say("note: the demo adapter has versions but no rollout; devices wait for one")
+    tokens = {}
+    for cohort in cohorts:
+        issued = enrollment_token_create(
+            cohort=cohort,
+            name="demo fleet",
+            expires_at=timezone.now() + timedelta(hours=12),
+            uses=devices,
+            requires_approval=False,
+        )
+        tokens[cohort.name] = issued.raw
+    return tokens
+
+
+class SabotagedRuntime(DeviceRuntime):
+    """The misbehaving device: a real trained update, blown up 10,000 times (the server rejects it)."""
+
+    def delta_tensors(self, model, started):
+        trained = adapter_tensors(model)
+        return {k: started[k] + (trained[k] - started[k]) * 10_000 for k in trained}
+
+
+@dataclass
+class DemoDevice:
+    index: int
+    total: int
+    home: Path
+    cohort: str
+    flaky: bool  # goes offline now and then
+    on_battery: bool
+    misbehaving: bool
+
+    @property
+    def name(self) -> str:
+        return f"demo-{self.index:02d}{'-rogue' if self.misbehaving else ''}"
+
+    def configure(self) -> AgentConfig:
+        config = AgentConfig.load(self.home)
+        config.data = {"kind": "simulated", "device_index": self.index, "num_devices": self.total, "alpha": 0.5}
+        config.power = (
+            {"kind": "simulated", "level": 70.0, "charging": False, "drain_per_hour": 30.0, "seed": self.index}
+            if self.on_battery
+            else {"kind": "simulated", "level": 100.0, "charging": True, "seed": self.index}
+        )
+        config.policy = {"min_new_samples": 32, "min_battery_percent": 30.0}
+        config.train = {"epochs": 5, "lr": 0.03, "replay_ratio": 0.25}
+        config.train_interval_seconds = 4.0
+        config.save(self.home)
+        return config
+
+
+def _enroll(device: DemoDevice, server: str, token: str) -> AgentState:
+    from edge_agent.enroll import enroll
+
+    if (device.home / STATE_FILE).exists():
+        return AgentState.load(device.home)
+    state = enroll(
+        home=device.home,
+        server=server,
+        token=token,
+        name=device.name,
+        labels={"demo": "true", "power": "battery" if device.on_battery else "mains"},
+    )
+    return state
+
+
+async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio.Event, gate: threading.Semaphore):
+    state = await asyncio.to_thread(_enroll, device, server, token)
+    key = load_or_create_key(device.home)
+    config = device.configure()
+    runtime_class = SabotagedRuntime if device.misbehaving else DeviceRuntime
+    runtime = runtime_class(home=device.home, state=state, key=key, config=config)
+    from edge_agent.assignments import AssignmentHandler
+    from edge_agent.rest import DeviceSession
+
+    session = DeviceSession(server=state.server, device_id=state.device_id, key=key)
+    handler = AssignmentHandler(home=device.home, state=state, session=session, evaluate=runtime.evaluate_versions)
+    rng = random.Random(device.index)  # noqa: S311  (simulation, not crypto)
+
+    def train() -> dict:
+        with gate:  # two cores for a whole fleet: one training at a time keeps the server responsive
+            return runtime.train_once()
+
+    async def trainer():
+        while not stop.is_set():
+            try:
+                outcome = await asyncio.to_thread(train)
+                if outcome["status"] == "trained":
+                    _say(f"{device.name}: trained v{outcome.get('version')}, local {outcome.get('after')}")
+            except Exception:
+                logger.exception("%s: training failed", device.name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=config.train_interval_seconds * rng.uniform(0.8, 1.5))
+
+    async def connected_for(seconds: float | None):
+        session_stop = asyncio.Event()
+        connection = AgentConnection(
+            home=device.home,
+            state=state,
+            key=key,
+            heartbeat=runtime.heartbeat,
+            backoff=Backoff(cap=10.0),
+            on_command=handler,
+            uploads=OutboxUploads(runtime.outbox),
+        )
+        task = asyncio.create_task(connection.run(session_stop))
+        waits = [asyncio.create_task(stop.wait())]
+        done, _ = await asyncio.wait([task, *waits], timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        session_stop.set()
+        for waiter in waits:
+            waiter.cancel()
+        with contextlib.suppress(Exception):
+            await task
+
+    training = asyncio.create_task(trainer())
+    try:
+        while not stop.is_set():
+            if device.flaky:
+                await connected_for(rng.uniform(40, 90))
+                if stop.is_set():
+                    break
+                gone = rng.uniform(15, 30)
+                _say(f"{device.name}: going offline for {gone:.0f}s (it keeps training; uploads wait in its outbox)")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=gone)
+            else:
+                await connected_for(None)
+    finally:
+        await training
+
+
+def plan(total: int, root: Path) -> list[DemoDevice]:
+    return [
+        DemoDevice(
+            index=i,
+            total=total,
+            home=root / f"device-{i:02d}",
+            cohort=COHORTS[i % len(COHORTS)],
+            flaky=i % 5 == 2,
+            on_battery=i % 4 == 1,
+            misbehaving=i == total - 1,
+        )
+        for i in range(total)
+    ]
+
+
+async def run_fleet(*, server: str, devices: list[DemoDevice], tokens: dict[str, str], stop: asyncio.Event) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    gate = threading.Semaphore(1)
+    _say(
+        f"{len(devices)} devices: {sum(d.flaky for d in devices)} go offline now and then, "
+        f"{sum(d.on_battery for d in devices)} on battery, 1 misbehaving ({devices[-1].name})"
+    )
+    tasks = [asyncio.create_task(_run_device(d, server, tokens[d.cohort], stop, gate)) for d in devices]
+    await asyncio.gather(*tasks, return_exceptions=True)
