@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(PY) -m fleet.launcher run
+	$(PY) -m fleet.launcher run $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
