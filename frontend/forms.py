@@ -4,6 +4,8 @@ from django.utils import timezone
 
 from accounts.models import User
 from accounts.roles import Role
+from devices.models import Cohort, DeviceStatus
+from training.models import Adapter, AdapterVersion, Rollout
 
 
 class ApiTokenForm(forms.Form):
@@ -36,3 +38,122 @@ class UserCreateForm(forms.Form):
         if data.get("password") and data.get("username"):
             validate_password(data["password"], User(username=data["username"], email=data.get("email", "")))
         return data
+
+
+# --- fleet --------------------------------------------------------------------------------------------------
+
+
+class DeviceFilterForm(forms.Form):
+    """The device list's filters, read from the query string; bad values are reported, never a 500."""
+
+    q = forms.CharField(required=False, max_length=100, label="Search", help_text="name, agent version or id")
+    cohort = forms.CharField(required=False, max_length=64)
+    status = forms.ChoiceField(required=False, choices=[("", "any status"), *DeviceStatus.choices])
+    online = forms.ChoiceField(required=False, choices=[("", "online or not"), ("yes", "online"), ("no", "offline")])
+    version = forms.RegexField(r"^(none|\d{1,12})$", required=False, max_length=12)
+    label = forms.CharField(required=False, max_length=100, help_text="key or key=value")
+
+    def filters(self) -> dict:
+        data = self.cleaned_data
+        return {
+            "cohort": data["cohort"],
+            "status": data["status"],
+            "online": {"yes": True, "no": False}.get(data["online"]),
+            "version": data["version"],
+            "label": data["label"],
+            "search": data["q"],
+        }
+
+
+class CohortForm(forms.Form):
+    name = forms.SlugField(max_length=64, help_text="Letters, digits, - and _, e.g. eu-phones.")
+    description = forms.CharField(required=False, max_length=500)
+
+    def clean_name(self):
+        name = self.cleaned_data["name"]
+        if Cohort.objects.filter(name=name).exists():
+            raise forms.ValidationError("A cohort with this name exists.")
+        return name
+
+
+class EnrollmentTokenForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="Where it is used, e.g. 'factory line 2'.")
+    cohort = forms.ModelChoiceField(queryset=Cohort.objects.order_by("name"), empty_label=None)
+    expires_in_hours = forms.IntegerField(min_value=1, max_value=24 * 365, initial=24, label="Expires in (hours)")
+    uses = forms.IntegerField(min_value=1, max_value=1_000_000, required=False, help_text="Empty: unlimited.")
+    requires_approval = forms.BooleanField(
+        required=False, initial=True, help_text="Devices stay pending until an admin approves them."
+    )
+
+
+class RoundOpenForm(forms.Form):
+    adapter = forms.ModelChoiceField(queryset=Adapter.objects.order_by("name"), empty_label=None)
+    buffer_size = forms.IntegerField(
+        min_value=1, max_value=100_000, required=False, help_text="Empty: adapter default."
+    )
+    min_deltas = forms.IntegerField(min_value=1, max_value=100_000, required=False)
+    timeout_seconds = forms.IntegerField(min_value=1, max_value=30 * 24 * 3600, required=False)
+
+
+def _parse_phases(text: str) -> list[dict]:
+    phases = []
+    for index, part in enumerate(p for p in text.replace("\n", ",").split(",") if p.strip()):
+        percent, _, soak = part.strip().partition(":")
+        try:
+            phases.append({"percent": float(percent), "min_soak_seconds": int(soak) if soak.strip() else 0})
+        except ValueError:
+            raise forms.ValidationError(f"phase {index + 1} ({part.strip()!r}) is not percent:seconds") from None
+    if not phases:
+        raise forms.ValidationError("Give at least one phase.")
+    return phases
+
+
+def _parse_guards(text: str) -> list[dict]:
+    guards = []
+    for number, line in enumerate((line.strip() for line in text.splitlines()), start=1):
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) not in (3, 4) or parts[1] not in ("min", "max"):
+            raise forms.ValidationError(f"guard line {number} ({line!r}) is not 'metric min|max value [reports]'")
+        try:
+            guard = {"metric": parts[0], parts[1]: float(parts[2])}
+            if len(parts) == 4:
+                guard["min_reports"] = int(parts[3])
+        except ValueError:
+            raise forms.ValidationError(f"guard line {number} ({line!r}) needs numbers") from None
+        guards.append(guard)
+    return guards
+
+
+class RolloutForm(forms.Form):
+    version = forms.ModelChoiceField(
+        queryset=AdapterVersion.objects.exclude(state=AdapterVersion.State.REVOKED).select_related("adapter"),
+        empty_label=None,
+    )
+    cohort = forms.ModelChoiceField(queryset=Cohort.objects.order_by("name"), empty_label=None)
+    phases = forms.CharField(
+        initial="10:3600, 50:3600, 100:0",
+        max_length=500,
+        help_text="percent:minimum soak seconds, comma separated, percents rising to at most 100.",
+    )
+    guards = forms.CharField(
+        required=False,
+        max_length=2000,
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": "eval_accuracy min 0.8 5"}),
+        help_text="One per line: metric min|max value [minimum reports].",
+    )
+    on_breach = forms.ChoiceField(choices=Rollout.OnBreach.choices, initial=Rollout.OnBreach.PAUSE)
+    max_failure_rate = forms.FloatField(min_value=0, max_value=1, initial=0.2)
+
+    def __init__(self, *args, versions=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["version"].label_from_instance = lambda v: f"{v.adapter.name} v{v.number} ({v.state})"
+        if versions is not None:
+            self.fields["version"].choices = [(v.pk, f"{v.adapter.name} v{v.number} ({v.state})") for v in versions]
+
+    def clean_phases(self):
+        return _parse_phases(self.cleaned_data["phases"])
+
+    def clean_guards(self):
+        return _parse_guards(self.cleaned_data.get("guards") or "")

@@ -1,4 +1,4 @@
-"""Dashboard pages. Thin: authorize, call a service or selector, render."""
+"""Sign-in, API tokens, users and the system status page."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ def logout_view(request):
 
 
 @role_required(Role.VIEWER)
-def overview(request):
+def system(request):
+    """Dependencies' health (it pings the Celery workers, so it lives apart from the fleet overview)."""
     return render(
         request,
-        "frontend/overview.html",
+        "frontend/system.html",
         {"status": readiness(), "accounts": User.objects.active_counts_by_role()},
     )
 

@@ -42,6 +42,14 @@ ENDPOINTS = [
 
 PAGES = [
     ("/", "viewer"),
+    ("/devices/", "viewer"),
+    ("/cohorts/", "viewer"),
+    ("/enrollment-tokens/", "viewer"),
+    ("/models/", "viewer"),
+    ("/rounds/", "viewer"),
+    ("/rollouts/", "viewer"),
+    ("/rollouts/new/", "operator"),
+    ("/system/", "viewer"),
     ("/settings/api-tokens/", "viewer"),
     ("/settings/users/", "admin"),
 ]

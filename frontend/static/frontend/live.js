@@ -1,10 +1,23 @@
-// Live updates for every dashboard page: one WebSocket, reconnect with backoff and jitter, and after a
-// reconnect ask the page to re-read its state (the channel layer may have dropped events meanwhile).
+// Live updates for every dashboard page: one WebSocket, reconnect with backoff and jitter.
+//
+// The page says which events concern it (<body data-live-kinds="device.,delta.">: kind prefixes) and marks
+// the parts that show server state with data-live-region (each with an id). When such an event arrives, or
+// after a reconnect (the channel layer may have dropped events meanwhile), the page re-reads itself from the
+// server and swaps those regions in place: the server stays the one source of truth, nothing reloads.
+// Pages whose changes have no live event yet poll instead (<body data-live-poll="seconds">).
 (function () {
   "use strict";
   const statusEl = document.getElementById("live-status");
   const activity = document.getElementById("activity");
+  const kinds = (document.body.dataset.liveKinds || "")
+    .split(",").map(function (k) { return k.trim(); }).filter(Boolean);
+  const pollSeconds = parseInt(document.body.dataset.livePoll || "0", 10);
+  const MIN_INTERVAL_MS = 1000; // at most one re-read a second, however many events arrive
   let attempt = 0;
+  let refreshTimer = null;
+  let refreshing = false;
+  let dirty = false;
+  let lastRefresh = 0;
 
   function setStatus(on) {
     if (!statusEl) return;
@@ -24,6 +37,76 @@
     while (activity.children.length > 100) activity.lastChild.remove();
   }
 
+  function concerns(kind) {
+    return kinds.some(function (prefix) { return kind === prefix || kind.indexOf(prefix) === 0; });
+  }
+
+  function regions(root) {
+    return Array.prototype.slice.call(root.querySelectorAll("[data-live-region][id]"));
+  }
+
+  function busy(region) {
+    // Never pull the rug from under someone typing or choosing in a region: try again after they leave it.
+    const active = document.activeElement;
+    return active && region.contains(active) && /^(INPUT|TEXTAREA|SELECT)$/.test(active.tagName) &&
+      active.type !== "checkbox" && active.type !== "submit";
+  }
+
+  function swap(current, fresh) {
+    const checked = new Set();
+    current.querySelectorAll("input[type=checkbox]:checked").forEach(function (box) {
+      checked.add(box.name + "=" + box.value);
+    });
+    current.innerHTML = fresh.innerHTML;
+    current.querySelectorAll("input[type=checkbox]").forEach(function (box) {
+      if (checked.has(box.name + "=" + box.value)) box.checked = true;
+    });
+  }
+
+  function refresh() {
+    refreshTimer = null;
+    if (!regions(document).length) return;
+    if (refreshing) { dirty = true; return; }
+    if (document.hidden) { dirty = true; return; }
+    refreshing = true;
+    dirty = false;
+    lastRefresh = Date.now();
+    fetch(location.href, { headers: { "X-Live-Refresh": "1" }, credentials: "same-origin", cache: "no-store" })
+      .then(function (response) {
+        if (!response.ok) throw new Error("HTTP " + response.status);
+        return response.text();
+      })
+      .then(function (html) {
+        const doc = new DOMParser().parseFromString(html, "text/html");
+        let deferred = false;
+        regions(document).forEach(function (region) {
+          const fresh = doc.getElementById(region.id);
+          if (!fresh) return;
+          if (busy(region)) { deferred = true; return; }
+          if (fresh.innerHTML !== region.innerHTML) swap(region, fresh);
+        });
+        if (deferred) dirty = true;
+        document.body.dataset.liveRefreshed = String(Date.now());
+        document.dispatchEvent(new CustomEvent("fleet:refreshed"));
+      })
+      .catch(function () { dirty = true; }) // a failed re-read is retried with the next event or poll
+      .finally(function () {
+        refreshing = false;
+        if (dirty) schedule();
+      });
+  }
+
+  function schedule() {
+    if (refreshTimer) return;
+    const wait = Math.max(150, MIN_INTERVAL_MS - (Date.now() - lastRefresh));
+    refreshTimer = setTimeout(refresh, wait);
+  }
+
+  document.addEventListener("fleet:resync", schedule);
+  document.addEventListener("visibilitychange", function () { if (!document.hidden && dirty) schedule(); });
+  document.addEventListener("focusout", function () { if (dirty) schedule(); });
+  if (pollSeconds > 0) setInterval(schedule, pollSeconds * 1000);
+
   function connect() {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const socket = new WebSocket(scheme + "://" + location.host + "/ws/live/");
@@ -36,6 +119,7 @@
       const event = JSON.parse(message.data);
       if (event.kind === "hello" || event.kind === "pong") return;
       addActivity(event);
+      if (concerns(event.kind)) schedule();
       document.dispatchEvent(new CustomEvent("fleet:event", { detail: event }));
     };
     socket.onclose = function (close) {
@@ -46,6 +130,6 @@
       setTimeout(connect, delay);
     };
   }
-  window.fleetLive = { addActivity: addActivity };
+  window.fleetLive = { addActivity: addActivity, refresh: schedule };
   connect();
 })();

@@ -1,0 +1,122 @@
+"""Small charts as inline SVG, laid out on the server: no chart library, nothing fetched by the browser.
+
+These functions only compute geometry; the templates ``frontend/_line_chart.html`` and ``_bar_chart.html``
+draw it (so every label goes through the template's escaping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WIDTH, HEIGHT = 600, 200
+PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 64, 12, 12, 28
+
+
+def _nice(value: float, digits: int = 4) -> str:
+    return f"{value:.{digits}g}"
+
+
+class _Frame:
+    """Where the plot area sits in the SVG, for the templates' axes and labels."""
+
+    width = WIDTH
+    height = HEIGHT
+    left = PAD_LEFT
+    right = WIDTH - PAD_RIGHT
+    top = PAD_TOP
+    bottom = HEIGHT - PAD_BOTTOM
+    label_x = PAD_LEFT - 6  # y-axis labels end here
+    label_y = HEIGHT - 8  # x-axis labels sit on this line
+
+
+@dataclass
+class LineChart(_Frame):
+    title: str
+    points: list[dict] = field(default_factory=list)  # {x, y, label, value}
+    path: str = ""
+    y_ticks: list[dict] = field(default_factory=list)  # {y, label}
+    x_ticks: list[dict] = field(default_factory=list)  # {x, label}
+
+    @property
+    def empty(self) -> bool:
+        return not self.points
+
+
+def line_chart(title: str, series: list[tuple[int, float]], *, x_label: str = "v") -> LineChart:
+    """A line over ``[(x, y)]`` (x increasing), with about five ticks on each axis."""
+    chart = LineChart(title=title)
+    if not series:
+        return chart
+    xs = [x for x, _ in series]
+    ys = [y for _, y in series]
+    x_min, x_max = min(xs), max(xs)
+    y_min, y_max = min(ys), max(ys)
+    if y_min == y_max:
+        y_min, y_max = y_min - (abs(y_min) * 0.1 or 1), y_max + (abs(y_max) * 0.1 or 1)
+    plot_w = WIDTH - PAD_LEFT - PAD_RIGHT
+    plot_h = HEIGHT - PAD_TOP - PAD_BOTTOM
+
+    def sx(x: float) -> float:
+        return PAD_LEFT + (plot_w / 2 if x_max == x_min else (x - x_min) / (x_max - x_min) * plot_w)
+
+    def sy(y: float) -> float:
+        return PAD_TOP + (1 - (y - y_min) / (y_max - y_min)) * plot_h
+
+    chart.points = [
+        {"x": round(sx(x), 1), "y": round(sy(y), 1), "label": f"{x_label}{x}", "value": _nice(y)} for x, y in series
+    ]
+    chart.path = "M" + " L".join(f"{p['x']},{p['y']}" for p in chart.points)
+    chart.y_ticks = [
+        {"y": round(sy(y_min + (y_max - y_min) * i / 4), 1), "label": _nice(y_min + (y_max - y_min) * i / 4, 3)}
+        for i in range(5)
+    ]
+    step = max(1, len(xs) // 6)
+    shown = xs[::step] if xs[-1] in xs[::step] else [*xs[::step], xs[-1]]
+    chart.x_ticks = [{"x": round(sx(x), 1), "label": f"{x_label}{x}"} for x in shown]
+    return chart
+
+
+@dataclass
+class BarChart(_Frame):
+    title: str
+    bars: list[dict] = field(default_factory=list)  # {x, y, h, y_bad, h_bad, width, label, total, bad}
+    y_max: int = 0
+    x_ticks: list[dict] = field(default_factory=list)
+    total: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.total == 0
+
+
+def hourly_bar_chart(title: str, buckets: list[dict]) -> BarChart:
+    """Stacked bars per hour: accepted/other below, rejected on top (``buckets`` from
+    ``selectors.deltas_per_hour``)."""
+    chart = BarChart(title=title)
+    if not buckets:
+        return chart
+    chart.total = sum(b["total"] for b in buckets)
+    chart.y_max = max(1, max(b["total"] for b in buckets))
+    plot_w = WIDTH - PAD_LEFT - PAD_RIGHT
+    plot_h = HEIGHT - PAD_TOP - PAD_BOTTOM
+    slot = plot_w / len(buckets)
+    for index, bucket in enumerate(buckets):
+        h_total = bucket["total"] / chart.y_max * plot_h
+        h_bad = bucket["rejected"] / chart.y_max * plot_h
+        x = PAD_LEFT + index * slot + slot * 0.1
+        chart.bars.append(
+            {
+                "x": round(x, 1),
+                "width": round(slot * 0.8, 1),
+                "y": round(PAD_TOP + plot_h - h_total, 1),
+                "h": round(h_total, 1),
+                "y_bad": round(PAD_TOP + plot_h - h_bad, 1),
+                "h_bad": round(h_bad, 1),
+                "label": bucket["hour"].strftime("%H:00"),
+                "total": bucket["total"],
+                "bad": bucket["rejected"],
+            }
+        )
+        if index % 4 == 0 or index == len(buckets) - 1:
+            chart.x_ticks.append({"x": round(x + slot * 0.4, 1), "label": bucket["hour"].strftime("%H:00")})
+    return chart

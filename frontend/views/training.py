@@ -1,0 +1,210 @@
+"""Base models and adapters (lineage, metrics, export), rounds and rollouts.
+
+Operators open, close and re-run rounds and create and steer rollouts, as the API allows; viewers read.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from accounts.permissions import role_required
+from accounts.roles import Role, has_role
+from devices.models import Cohort
+from fleet.api.errors import ApiError
+from frontend import selectors
+from frontend.charts import line_chart
+from frontend.forms import RolloutForm, RoundOpenForm
+from frontend.views.common import redirect_back, run_service
+from training.models import Rollout, Round
+from training.rollouts import (
+    rollout_abort,
+    rollout_create,
+    rollout_pause,
+    rollout_resume,
+    rollout_rollback,
+    rollout_start,
+)
+from training.rounds import round_close, round_open, round_rerun
+
+METRIC_TITLES = {"eval_accuracy": "Evaluation accuracy", "eval_loss": "Evaluation loss"}
+
+
+@role_required(Role.VIEWER)
+def models(request):
+    return render(
+        request,
+        "frontend/models.html",
+        {"base_models": selectors.base_model_list(), "adapters": selectors.adapter_list()},
+    )
+
+
+@role_required(Role.VIEWER)
+def adapter_detail(request, pk: int):
+    detail = selectors.adapter_detail(pk)
+    if detail is None:
+        raise Http404("No such adapter.")
+    charts = [line_chart(METRIC_TITLES.get(name, name), points) for name, points in detail.series.items()]
+    return render(
+        request,
+        "frontend/adapter_detail.html",
+        {"d": detail, "adapter": detail.adapter, "charts": charts, "can_export": has_role(request.user, Role.OPERATOR)},
+    )
+
+
+# --- rounds ----------------------------------------------------------------------------------------------------
+
+
+@role_required(Role.VIEWER)
+def rounds(request):
+    form = RoundOpenForm(request.POST or None)
+    if request.method == "POST":
+        if not has_role(request.user, Role.OPERATOR):
+            raise PermissionDenied("Only operators open rounds.")
+        if form.is_valid():
+            fields = {k: v for k, v in form.cleaned_data.items() if k != "adapter" and v is not None}
+            opened = run_service(
+                request,
+                lambda: round_open(adapter=form.cleaned_data["adapter"], actor=request.user, **fields),
+                lambda r: f"Opened round {r.pk} for {r.adapter.name} on v{r.base_version.number}.",
+            )
+            if opened is not None:
+                return redirect("frontend:round-detail", opened.pk)
+            return redirect("frontend:rounds")
+    state = request.GET.get("state", "")
+    state = state if state in Round.State.values else ""
+    adapter = request.GET.get("adapter", "")[:64]
+    page = selectors.paginate(
+        selectors.round_list(state=state, adapter=adapter), request.GET.get("page"), selectors.ROUNDS_PER_PAGE
+    )
+    return render(
+        request,
+        "frontend/rounds.html",
+        {
+            "page": page,
+            "form": form,
+            "state": state,
+            "adapter": adapter,
+            "states": Round.State.values,
+            "adapters": selectors.adapters_for_rounds(),
+        },
+        status=400 if form.is_bound and form.errors else 200,
+    )
+
+
+@role_required(Role.VIEWER)
+def round_detail(request, pk: int):
+    state = request.GET.get("state", "")
+    state = state if state in ("received", "accepted", "rejected", "aggregated") else ""
+    detail = selectors.round_detail(pk, state=state, page=request.GET.get("page"))
+    if detail is None:
+        raise Http404("No such round.")
+    return render(request, "frontend/round_detail.html", {"d": detail, "round": detail.round, "state": state})
+
+
+ROUND_ACTIONS = {
+    "close": (round_close, "Closed round {pk}: it is aggregating now."),
+    "rerun": (round_rerun, "Round {pk} is aggregating again."),
+}
+
+
+@require_POST
+@role_required(Role.OPERATOR)
+def round_action(request, pk: int, action: str):
+    if action not in ROUND_ACTIONS:
+        raise Http404("unknown action")
+    round_ = get_object_or_404(Round, pk=pk)
+    service, message = ROUND_ACTIONS[action]
+    run_service(request, lambda: service(round_=round_, actor=request.user), message.format(pk=pk))
+    return redirect("frontend:round-detail", pk)
+
+
+# --- rollouts --------------------------------------------------------------------------------------------------
+
+
+@role_required(Role.VIEWER)
+def rollouts(request):
+    state = request.GET.get("state", "")
+    state = state if state in Rollout.State.values else ""
+    page = selectors.paginate(selectors.rollout_list(state=state), request.GET.get("page"), selectors.ROLLOUTS_PER_PAGE)
+    return render(request, "frontend/rollouts.html", {"page": page, "state": state, "states": Rollout.State.values})
+
+
+@role_required(Role.OPERATOR)
+def rollout_create_view(request):
+    versions = selectors.rollout_versions()
+    form = RolloutForm(request.POST or None, versions=versions)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            rollout = rollout_create(
+                version=data["version"],
+                cohort=data["cohort"],
+                phases=data["phases"],
+                guards=data["guards"],
+                on_breach=data["on_breach"],
+                max_failure_rate=data["max_failure_rate"],
+                actor=request.user,
+            )
+        except ApiError as refusal:
+            form.add_error(None, refusal.message)
+        else:
+            return redirect("frontend:rollout-detail", rollout.pk)
+    return render(
+        request,
+        "frontend/rollout_form.html",
+        {"form": form, "has_versions": bool(versions), "has_cohorts": Cohort.objects.exists()},
+        status=400 if form.is_bound and form.errors else 200,
+    )
+
+
+@role_required(Role.VIEWER)
+def rollout_detail(request, pk: int):
+    detail = selectors.rollout_detail(pk)
+    if detail is None:
+        raise Http404("No such rollout.")
+    return render(
+        request,
+        "frontend/rollout_detail.html",
+        {"d": detail, "rollout": detail.rollout, "actions": rollout_actions_for(request.user, detail.rollout)},
+    )
+
+
+ROLLOUT_ACTIONS = {
+    "start": (rollout_start, False, {Rollout.State.DRAFT}),
+    "pause": (rollout_pause, True, {Rollout.State.RUNNING}),
+    "resume": (rollout_resume, False, {Rollout.State.PAUSED}),
+    "abort": (rollout_abort, True, {Rollout.State.RUNNING, Rollout.State.PAUSED}),
+    "rollback": (rollout_rollback, True, {Rollout.State.RUNNING, Rollout.State.PAUSED, Rollout.State.COMPLETED}),
+}
+ROLLOUT_PAST = {
+    "start": "started",
+    "pause": "paused",
+    "resume": "resumed",
+    "abort": "aborted",
+    "rollback": "rolled back",
+}
+
+
+def rollout_actions_for(user, rollout: Rollout) -> list[str]:
+    if not has_role(user, Role.OPERATOR):
+        return []
+    return [action for action, (_, _, states) in ROLLOUT_ACTIONS.items() if rollout.state in states]
+
+
+@require_POST
+@role_required(Role.OPERATOR)
+def rollout_action(request, pk: int, action: str):
+    if action not in ROLLOUT_ACTIONS:
+        raise Http404("unknown action")
+    rollout = get_object_or_404(Rollout, pk=pk)
+    service, takes_reason, _ = ROLLOUT_ACTIONS[action]
+    kwargs = {"reason": request.POST.get("reason", "")[:300]} if takes_reason else {}
+    run_service(
+        request,
+        lambda: service(rollout=rollout, actor=request.user, **kwargs),
+        f"Rollout {pk} {ROLLOUT_PAST[action]}.",
+    )
+    return redirect_back(request, "frontend:rollout-detail", pk)

@@ -1,0 +1,123 @@
+"""Fixtures for the dashboard tests: a signed-in client per role and rows made in bulk.
+
+Pages only read, so the bulk builders write rows directly (``bulk_create``) to reach fleet-sized counts
+quickly; the actions under test go through the real services.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import secrets
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from devices.models import Device, DeviceStatus
+from training.models import AdapterVersion, Delta
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(request, settings):
+    """These tests make many users; real password hashing would be most of their run time. Not for the
+    browser tests: their server process checks passwords with the real hashers."""
+    if request.node.get_closest_marker("e2e"):
+        return
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def client_for(make_user):
+    """``client_for("operator")``: a Django test client signed in as a user with that role (one per role)."""
+    from django.test import Client
+
+    clients: dict[str | None, Client] = {}
+
+    def make(role: str | None) -> Client:
+        if role not in clients:
+            clients[role] = Client()
+            if role is not None:
+                clients[role].force_login(make_user(role))
+        return clients[role]
+
+    return make
+
+
+def make_devices(cohort, count: int, *, status: str = DeviceStatus.ACTIVE, prefix: str = "dev", **fields) -> list:
+    now = timezone.now()
+    return Device.objects.bulk_create(
+        Device(
+            name=f"{prefix}-{index:05d}",
+            cohort=cohort,
+            status=status,
+            public_key=secrets.token_urlsafe(32),
+            hardware={"ram_mb": 2048, "cpu": "arm64"},
+            labels={"site": "lab" if index % 2 else "field"},
+            agent_version="0.1.0",
+            last_seen_at=now - timedelta(minutes=index % 90),
+            online=index % 3 == 0,
+            battery_percent=50 + index % 50,
+            charging=index % 2 == 0,
+            **fields,
+        )
+        for index in range(count)
+    )
+
+
+def make_versions(adapter, count: int, *, metrics: bool = True) -> list[AdapterVersion]:
+    """A chain v1 ← v2 ← ... with eval metrics rising, plus nothing in blob storage (pages never read it)."""
+    versions, parent = [], None
+    start = (adapter.versions.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+    for number in range(start, start + count):
+        parent = AdapterVersion.objects.create(
+            adapter=adapter,
+            number=number,
+            parent=parent,
+            blob_sha256=hashlib.sha256(f"{adapter.pk}-{number}".encode()).hexdigest(),
+            size=1000 + number,
+            source=AdapterVersion.Source.ROUND if parent else AdapterVersion.Source.SEED,
+            metrics={"eval_accuracy": 0.5 + number / (4 * count), "eval_loss": 2.0 / number} if metrics else {},
+            state=AdapterVersion.State.RELEASED,
+        )
+        versions.append(parent)
+    return versions
+
+
+_COUNTERS = itertools.count(1)  # delta counters are unique per device: never reuse one across calls
+
+
+def make_deltas(devices, adapter, base_version, count: int, *, round_=None, rejected_every: int = 0) -> list[Delta]:
+    now = timezone.now()
+    rows = []
+    for index in range(count):
+        device = devices[index % len(devices)]
+        rejected = bool(rejected_every) and index % rejected_every == 0
+        sha = hashlib.sha256(f"{device.pk}-{index}-{secrets.token_hex(4)}".encode()).hexdigest()
+        rows.append(
+            Delta(
+                device=device,
+                adapter=adapter,
+                adapter_name=adapter.name,
+                base_version_number=base_version.number,
+                base_version=base_version,
+                round=round_,
+                sha256=sha,
+                blob_sha256=sha,
+                size=4096,
+                num_samples=32,
+                counter=next(_COUNTERS),
+                counter_claimed=not rejected,
+                envelope={"sha256": sha},
+                signature="sig",
+                channel=Delta.Channel.WEBSOCKET,
+                state=Delta.State.REJECTED if rejected else Delta.State.ACCEPTED,
+                rejection_code="norm_too_large" if rejected else "",
+                rejection_detail="update norm 1e6 is above the bound 1000" if rejected else "",
+                staleness=0,
+                norm=0.5,
+                received_at=now - timedelta(minutes=index % (24 * 60)),
+                verified_at=now,
+            )
+        )
+    return Delta.objects.bulk_create(rows)
