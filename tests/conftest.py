@@ -35,12 +35,11 @@ def shared_blob_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _blob_storage(request, settings, tmp_path):
-    """Each test writes blobs into its own folder, except that tests with a worker share the worker's."""
-    if "celery_worker_process" in request.fixturenames:
-        location = request.getfixturevalue("shared_blob_root")
-    else:
-        location = tmp_path / "blobs"
+def _blob_storage(settings, tmp_path, shared_blob_root):
+    """Every test writes blobs where the suite's Celery worker reads them: a transactional test's committed
+    delta may still be verified by the worker after the test, and must find its bytes. Blobs are
+    content-addressed, so sharing the folder cannot mix up two tests' data."""
+    location = shared_blob_root
     storages = dict(settings.STORAGES)
     storages["blobs"] = storages["default"] = {
         "BACKEND": "django.core.files.storage.FileSystemStorage",

@@ -37,6 +37,13 @@ def _record(kind: str, rollout: Rollout, actor, **detail) -> None:
         version=rollout.version,
         detail={"rollout": rollout.pk, **detail},
     )
+    from frontend.live import LiveEvent, publish
+
+    event = LiveEvent(
+        kind=kind if kind.startswith("rollout.") else f"rollout.{kind}",
+        data={"id": rollout.pk, "state": rollout.state, "phase": rollout.current_phase, "version": rollout.version_id},
+    )
+    transaction.on_commit(lambda: publish(event))
 
 
 def validate_phases(phases) -> list[dict]:

@@ -54,7 +54,7 @@ def trained(adapter, cohort, enrolled):
     return adapter, version, [enrolled("active", name=f"d{i}") for i in range(5)]
 
 
-def wait_for(check, timeout: float = 60.0):
+def wait_for(check, timeout: float = 180.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
