@@ -7,7 +7,9 @@ reconnect instead of trusting that they saw every event.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,4 +40,13 @@ async def apublish(event: LiveEvent) -> None:
 
 
 def publish(event: LiveEvent) -> None:
-    async_to_sync(apublish)(event)
+    """From sync code. Inside a thread that runs an event loop (sync code called from async code without a
+    thread hop), ``async_to_sync`` cannot run here, so the event goes out from a short-lived thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        async_to_sync(apublish)(event)
+        return
+    sender = threading.Thread(target=async_to_sync(apublish), args=(event,), daemon=True)
+    sender.start()
+    sender.join(timeout=5)
