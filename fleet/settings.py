@@ -323,6 +323,8 @@ DEVICE_OFFLINE_AFTER_SECONDS = env_int("DEVICE_OFFLINE_AFTER_SECONDS", 95, minim
 PRESENCE_FLUSH_SECONDS = env_int("PRESENCE_FLUSH_SECONDS", 10, minimum=1)
 DEVICE_TOKEN_TTL_SECONDS = env_int("DEVICE_TOKEN_TTL_SECONDS", 900, minimum=30)
 ENROLLMENT_RATE = env_str("ENROLLMENT_RATE", "30/min")
+LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, minimum=1)
+LOGIN_FAILURE_WINDOW_SECONDS = env_int("LOGIN_FAILURE_WINDOW_SECONDS", 900, minimum=10)
 CELERY_BEAT_SCHEDULE["tick-rollouts"] = {
     "task": "training.tasks.tick_rollouts",
     "schedule": float(env_int("ROLLOUT_TICK_SECONDS", 10, minimum=1)),

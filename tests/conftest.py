@@ -56,6 +56,7 @@ def _generous_enrollment_rate(settings):
 
     settings.ENROLLMENT_RATE = "100000/min"
     cache.delete("throttle_enroll_127.0.0.1")  # never cache.clear(): that flushes the whole Redis database
+    cache.delete("login-failures:addr:127.0.0.1")  # every test signs in from this address
 
 
 @pytest.fixture

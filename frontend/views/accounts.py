@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import logout
 from django.contrib.auth import views as auth_views
+from django.core.cache import cache
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
@@ -17,8 +19,32 @@ from frontend.forms import ApiTokenForm, UserCreateForm
 
 
 class LoginView(auth_views.LoginView):
+    """Sign-in, with failed attempts limited per client address and per user name (``LOGIN_FAILURE_LIMIT``
+    in ``LOGIN_FAILURE_WINDOW_SECONDS``), so a password cannot be guessed at speed."""
+
     template_name = "frontend/login.html"
     redirect_authenticated_user = True
+
+    def _keys(self) -> list[str]:
+        address = self.request.META.get("REMOTE_ADDR", "unknown")
+        username = str(self.request.POST.get("username", ""))[:150].lower()
+        return [f"login-failures:addr:{address}", f"login-failures:user:{username}"]
+
+    def post(self, request, *args, **kwargs):
+        if any(cache.get(key, 0) >= settings.LOGIN_FAILURE_LIMIT for key in self._keys()):
+            minutes = max(1, settings.LOGIN_FAILURE_WINDOW_SECONDS // 60)
+            context = self.get_context_data(form=self.get_form_class()(request))  # unbound: never authenticated
+            context["locked_out"] = f"Too many failed sign-ins. Wait {minutes} minutes and try again."
+            response = self.render_to_response(context)
+            response.status_code = 429
+            return response
+        return super().post(request, *args, **kwargs)
+
+    def form_invalid(self, form):
+        for key in self._keys():
+            cache.add(key, 0, timeout=settings.LOGIN_FAILURE_WINDOW_SECONDS)
+            cache.incr(key)
+        return super().form_invalid(form)
 
 
 @require_POST

@@ -1,0 +1,478 @@
+"""The agent killed with SIGKILL at random points, during training, packaging and upload, against the real
+product: after every kill the state on disk is whole (``edge-agent status`` works, the outbox SQLite passes
+its integrity check, holds each delta once with unique counters, and every delta file it references exists
+and hashes to its sha256); at the end, once the outbox is drained, the server holds exactly one Delta per
+outbox row (none duplicated, none missing), counters are unique server-side and nothing was rejected as a
+replayed counter or a hash mismatch.
+
+One device (digits-cnn, LoRA rank 64 so a delta spans several upload chunks) is killed again and again:
+
+- ``random`` kills: ``python -m edge_agent --home H run``, then SIGKILL after a seeded random delay drawn from
+  [0.5 s, upper], where ``upper`` is at least 4 s and covers a whole cycle (start-up, connection, a training
+  pass, packaging and the upload of the first delta) as measured by a first, calibration run;
+- ``targeted`` kills, so that the short phases are hit too: after a checkpoint of the running pass appears
+  (mid-training), right after the pass's checkpoints are cleared (train_adapter returned: the delta is being
+  packaged and put in the outbox), and after the server's staging file for an upload appears (mid-upload),
+  each plus a small seeded random offset.
+
+Where a kill landed is read, not guessed: a ``sitecustomize`` put on the agent's PYTHONPATH registers
+``faulthandler`` on SIGUSR1; just before the SIGKILL the test sends SIGUSR1 and reads every thread's stack
+from the agent's stderr (training thread: setup / train_adapter / packaging / bookkeeping, or idle), and an
+upload is "in flight" when an outbox row was moved to ``uploading`` by this run and not yet to ``sent``.
+The draining run at the end uses ``run --no-training`` so no new delta is made while the outbox empties.
+
+KILL_TEST_SEED (environment) changes the seed; the seed and every delay are printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import signal
+import sqlite3
+import sys
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.support import (
+    ROOT,
+    drop_stack,
+    free_port,
+    kill,
+    spawn,
+    stack_env,
+    start_launcher,
+    stop_launcher,
+    wait_for,
+)
+from tests.e2e.test_agent_lifecycle import _agent, _Api, _say
+from tests.e2e.test_federated_round import _admin_token
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+SEED = int(os.environ.get("KILL_TEST_SEED", "20261123"))
+RANDOM_KILLS = 20
+TARGETED_KILLS = {"training": 2, "packaging": 3, "upload": 3}
+TRIGGER_TIMEOUT = 10.0  # a targeted kill whose phase did not come in time is made anyway (and says so)
+MIN_DELAY, MIN_UPPER, MAX_UPPER = 0.5, 4.0, 8.0
+RANK = 64
+
+SITECUSTOMIZE = """\
+import faulthandler, os, signal
+if os.environ.get("FLEET_KILL_TEST_STACKS"):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+"""
+HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
+FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+STATE_RANK = {"queued": 0, "uploading": 1, "sent": 2, "accepted": 3, "rejected": 3}
+
+
+# --- the agent process ------------------------------------------------------------------------------------------
+
+
+class AgentRun:
+    """One `python -m edge_agent --home H run` process, its output, and when it started."""
+
+    def __init__(self, home: Path, env: dict, *extra: str):
+        self.started_wall = time.time()
+        self.started = time.monotonic()
+        self.process, self.output = spawn(
+            [sys.executable, "-m", "edge_agent", "--home", str(home), "run", "--max-backoff", "2", *extra], env
+        )
+
+    def lines(self) -> list[str]:
+        return list(self.output.lines)
+
+    def stacks_then_kill(self) -> tuple[bool, list[list[tuple[str, int, str]]], float]:
+        """SIGUSR1 (faulthandler writes every thread's stack from inside its signal handler), SIGKILL as soon as
+        the dump starts arriving (a millisecond or so later), then read the whole dump. Returns whether the
+        agent was still running, the threads' frames (most recent first) and the seconds the process lived."""
+        start = len(self.output.lines)
+        alive = self.process.poll() is None
+        if alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not any(HEADER.match(line) for line in self.output.lines[start:]):
+                time.sleep(0.0005)
+        lived = time.monotonic() - self.started
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.output._thread.join(timeout=5)  # the pipe is closed: the reader has everything once it returns
+        threads: list[list[tuple[str, int, str]]] = []
+        for line in self.output.lines[start:]:
+            if HEADER.match(line):
+                threads.append([])
+            elif threads and (frame := FRAME.match(line)):
+                threads[-1].append((frame["file"], int(frame["line"]), frame["func"]))
+        return alive, threads, lived
+
+
+def _runtime_marks() -> tuple[int, int, int]:
+    """Line numbers in edge_agent/runtime.py: train_once's call of train_adapter, its call of put_delta, and
+    the first line after that call."""
+    source = (ROOT / "edge_agent" / "runtime.py").read_text().splitlines()
+    train = next(i for i, line in enumerate(source, 1) if "= train_adapter(" in line)
+    put = next(i for i, line in enumerate(source, 1) if "self.outbox.put_delta(" in line)
+    after = next(i for i, line in enumerate(source, 1) if i > put and line.strip() == ")") + 1
+    return train, put, after
+
+
+def training_phase(threads: list[list[tuple[str, int, str]]]) -> str:
+    """Where the agent's training thread was: startup (the loop not running yet), idle, setup (train_once before
+    train_adapter: samples, base model, adapter), training (train_adapter and judging its result), packaging
+    (put_delta: delta, sign, file write, commit), bookkeeping (train_once after put_delta: metrics file,
+    samples marked, outcome noted), or unknown (no stack dump arrived)."""
+    if not threads:
+        return "unknown"
+    train_line, put_line, after_put = _runtime_marks()
+    loop_running = False
+    for frames in threads:
+        files = [(Path(f).as_posix(), line, func) for f, line, func in frames]
+        loop_running = loop_running or any(f.endswith("asyncio/runners.py") for f, _, _ in files)
+        once = [(line, func) for f, line, func in files if f.endswith("edge_agent/runtime.py") and func == "train_once"]
+        if not once:
+            continue
+        if any(f.endswith(("edge_agent/packaging.py", "edge_agent/delta.py")) for f, _, _ in files):
+            return "packaging"
+        if any(f.endswith(("edge_agent/training.py", "edge_agent/checkpoint.py")) for f, _, _ in files):
+            return "training"
+        line = once[0][0]
+        if line <= train_line:
+            return "setup"
+        return "training" if line < put_line else "packaging" if line < after_put else "bookkeeping"
+    return "idle" if loop_running else "startup"
+
+
+# --- the state on disk ------------------------------------------------------------------------------------------
+
+
+def outbox_rows(home: Path) -> dict[str, dict]:
+    path = home / "outbox.sqlite3"
+    if not path.exists():
+        return {}
+    db = sqlite3.connect(path, timeout=10)
+    db.row_factory = sqlite3.Row
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        rows = [dict(r) for r in db.execute("SELECT * FROM deltas ORDER BY counter")]
+        next_counter = db.execute("SELECT next FROM counters WHERE name = 'delta'").fetchone()
+    finally:
+        db.close()
+    shas = [r["sha256"] for r in rows]
+    counters = [r["counter"] for r in rows]
+    assert len(set(shas)) == len(shas), f"a delta is in the outbox twice: {Counter(shas).most_common(3)}"
+    assert len(set(counters)) == len(counters), f"a counter is used twice: {Counter(counters).most_common(3)}"
+    if rows:
+        assert next_counter is not None and next_counter[0] > max(counters), (next_counter, max(counters))
+    return {r["sha256"]: r for r in rows}
+
+
+def check_state(home: Path, previous: dict[str, dict], public_key) -> dict[str, dict]:
+    """Everything a restarted agent reads must be whole; returns the outbox rows."""
+    from edge_agent.assignments import AdapterStore
+    from edge_agent.checkpoint import CheckpointManager
+    from edge_agent.cli import main as agent_main
+    from edge_agent.protocol import verify
+    from edge_agent.samples import ReplayBuffer, SampleStore
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = agent_main(["--home", str(home), "status"])
+    assert code == 0, printed.getvalue()
+    report = json.loads(printed.getvalue())
+
+    rows = outbox_rows(home)
+    assert report["outbox"] == dict(Counter(r["state"] for r in rows.values())), (report["outbox"], rows)
+    for sha, row in rows.items():
+        path = Path(row["path"])
+        assert path.exists(), f"outbox row {sha[:12]} ({row['state']}) has no file {path}"
+        data = path.read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sha and len(data) == row["size"], f"{path} is damaged"
+        signed = json.loads(row["envelope"])
+        envelope = signed["envelope"]
+        assert (envelope["sha256"], envelope["counter"], envelope["size"]) == (sha, row["counter"], row["size"])
+        assert verify(public_key, envelope, signed["signature"]), f"bad signature on {sha[:12]}"
+    for sha, before in previous.items():  # nothing queued is ever lost, and states only move forward
+        assert sha in rows, f"outbox row {sha[:12]} vanished"
+        after = rows[sha]
+        assert after["counter"] == before["counter"]
+        went_back = STATE_RANK[after["state"]] < STATE_RANK[before["state"]]
+        assert not went_back or (before["state"], after["state"]) == ("uploading", "queued"), (before, after)
+
+    AdapterStore(home).state()
+    samples = SampleStore(home / "samples")
+    loaded = samples.load()
+    assert len(samples) == (len(loaded["y"]) if loaded else 0)
+    assert samples.trained_count <= len(samples)
+    if (home / "replay.npz").exists():
+        ReplayBuffer(home / "replay.npz")
+    CheckpointManager(home / "checkpoints").load_latest()  # falls back past a torn one, never raises
+    for name in ("agent.json", "settings.json", "last_training.json", "status.json"):
+        if (home / name).exists():
+            json.loads((home / name).read_text())
+    return rows
+
+
+def orphans(home: Path, rows: dict[str, dict]) -> tuple[int, int]:
+    """Delta files without a row (killed between the file write and the commit: harmless, never signed into
+    anything sent) and temporary files left by atomic writes cut short."""
+    files = {p.name for p in (home / "outbox").glob("*.delta")}
+    referenced = {Path(r["path"]).name for r in rows.values()}
+    temporary = list(home.rglob(".*.tmp"))
+    return len(files - referenced), len(temporary)
+
+
+# --- triggers for targeted kills --------------------------------------------------------------------------------
+
+
+def _poll(check, timeout: float, interval: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def wait_for_phase(phase: str, home: Path, staging: Path, run: AgentRun, timeout: float) -> bool:
+    checkpoints = home / "checkpoints"
+
+    def fresh_checkpoint() -> bool:
+        with contextlib.suppress(OSError):
+            return any(p.stat().st_mtime >= run.started_wall for p in checkpoints.glob("ckpt-*.pt"))
+        return False
+
+    if phase == "training":
+        return _poll(fresh_checkpoint, timeout)
+    if phase == "packaging":  # the pass wrote checkpoints, then train_adapter cleared them: put_delta is next
+        return _poll(fresh_checkpoint, timeout) and _poll(lambda: not any(checkpoints.glob("ckpt-*.pt")), timeout)
+
+    def staging_started() -> bool:
+        with contextlib.suppress(OSError):
+            return any(p.stat().st_mtime >= run.started_wall for p in staging.glob("*.part"))
+        return False
+
+    return _poll(staging_started, timeout)
+
+
+# --- the test ---------------------------------------------------------------------------------------------------
+
+
+def test_agent_killed_at_random_points_resumes_and_every_delta_counts_once(tmp_path):
+    from edge_agent.identity import load_or_create_key
+
+    rng = random.Random(SEED)
+    _say(f"seed {SEED} (KILL_TEST_SEED)")
+    env = stack_env(tmp_path, HEARTBEAT_INTERVAL_SECONDS="2", ROLLOUT_TICK_SECONDS="1", PRESENCE_FLUSH_SECONDS="1")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    agent_env = {
+        **{k: v for k, v in env.items() if k not in ("DATABASE_URL", "REDIS_URL")},
+        "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)]),
+        "FLEET_KILL_TEST_STACKS": "1",
+    }
+    port = free_port()
+    home = tmp_path / "device"
+    launcher = output = None
+    run: AgentRun | None = None
+    kills: list[dict] = []
+    began = time.monotonic()
+    try:
+        launcher, output = start_launcher(env, port)
+        api = _Api(port, _admin_token(env))
+        assert api.call("POST", "/cohorts/", {"name": "kill-lab"})[0] == 201
+        status, body = api.call("POST", "/base-models/", {"name": "digits", "family": "digits-cnn"})
+        assert status == 201, body
+        status, adapter = api.call(
+            "POST",
+            "/adapters/",
+            {"name": "digits-lora", "base_model": "digits", "rank": RANK, "alpha": 16.0, "cohorts": ["kill-lab"]},
+        )
+        assert status == 201, adapter
+        status, body = api.call(  # rounds never close: the deltas stay countable as uploaded
+            "PUT",
+            f"/adapters/{adapter['id']}/aggregation/",
+            {"aggregation": {"strategy": "fedavg", "buffer_size": 100_000, "min_deltas": 100_000}},
+        )
+        assert status == 200, body
+        status, v1 = api.call("POST", f"/adapters/{adapter['id']}/versions/seed/", {"seed": 7})
+        assert status == 201, v1
+        assert api.call("POST", f"/adapter-versions/{v1['id']}/release/", {"reason": "e2e"})[0] == 200
+        status, rollout = api.call(
+            "POST", "/rollouts/", {"version": v1["id"], "cohort": "kill-lab", "phases": [{"percent": 100}]}
+        )
+        assert status == 201, rollout
+        assert api.call("POST", f"/rollouts/{rollout['id']}/start/", {"reason": "e2e"})[0] == 200
+        expires = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+        status, issued = api.call(
+            "POST",
+            "/enrollment-tokens/",
+            {"cohort": "kill-lab", "name": "kill", "expires_at": expires, "uses": 1, "requires_approval": False},
+        )
+        assert status == 201, issued
+        done = _agent(
+            home, "enroll", "--server", f"http://127.0.0.1:{port}", "--token", issued["token"], "--name", "kill-1"
+        )
+        assert done.returncode == 0, done.stdout + done.stderr + "\n" + output.tail()
+        configured = _agent(
+            home, "configure", "--simulate-device", "0/3", "--min-new-samples", "16", "--train-interval", "0.5"
+        )
+        assert configured.returncode == 0, configured.stderr
+        device_id = json.loads((home / "agent.json").read_text())["device_id"]
+        public_key = load_or_create_key(home).public_key()
+        staging = tmp_path / "data" / "uploads" / device_id
+        _say(f"stack ready after {time.monotonic() - began:.0f}s; device {device_id}")
+
+        rows: dict[str, dict] = {}
+
+        def killed(run: AgentRun, kind: str, delay: float | None, triggered: bool | None = None) -> None:
+            nonlocal rows
+            alive, threads, lived = run.stacks_then_kill()
+            assert alive, f"the agent exited by itself (code {run.process.returncode}):\n" + run.output.tail()
+            phase = training_phase(threads)
+            log = [line for line in run.output.lines if "[agent]" in line]
+            after = outbox_rows(home)
+            in_flight = [r for r in after.values() if r["state"] == "uploading" and r["updated_at"] >= run.started_wall]
+            rows_before = len(rows)
+            rows = check_state(home, rows, public_key)
+            stray, temporary = orphans(home, rows)
+            kills.append(
+                {
+                    "n": len(kills) + 1, "kind": kind, "delay": delay, "lived": round(lived, 2), "phase": phase,
+                    "upload_in_flight": bool(in_flight), "triggered": triggered, "new_rows": len(rows) - rows_before,
+                    "rows": len(rows), "states": dict(Counter(r["state"] for r in rows.values())),
+                    "connected": any("connected as" in line for line in log),
+                    "queued_logged": sum("queued (counter" in line for line in log),
+                    "received_logged": sum("received by the server" in line for line in log),
+                    "orphan_files": stray, "tmp_files": temporary,
+                }
+            )  # fmt: skip
+            k = kills[-1]
+            _say(
+                f"kill {k['n']:2d} {kind:<19} delay {'-' if delay is None else f'{delay:.2f}s':>6} lived"
+                f" {lived:5.2f}s -> {phase:<11} upload {'in flight' if in_flight else '-':<9} outbox {k['states']}"
+                f" (+{k['new_rows']}) orphans {stray} tmp {temporary}"
+            )
+
+        # Calibration: the first run goes until its first delta is received by the server (this one also
+        # installs the assignment), which sets how far the random delays reach.
+        run = AgentRun(home, agent_env)
+        sent, waited = wait_for(
+            lambda: any(r["state"] in ("sent", "accepted", "rejected") for r in outbox_rows(home).values()),
+            timeout=120,
+            interval=0.2,
+        )
+        assert sent, "the first delta never reached the server:\n" + run.output.tail() + "\n" + output.tail()
+        upper = min(max(MIN_UPPER, 1.25 * waited), MAX_UPPER)
+        _say(f"calibration: first delta received after {waited:.1f}s -> random delays in [{MIN_DELAY}, {upper:.2f}]s")
+        killed(run, "calibration", round(waited, 2))
+
+        plan = ["random"] * RANDOM_KILLS + [f"targeted:{p}" for p, n in TARGETED_KILLS.items() for _ in range(n)]
+        rng.shuffle(plan)
+        for kind in plan:
+            run = AgentRun(home, agent_env)
+            if kind == "random":
+                delay = round(rng.uniform(MIN_DELAY, upper), 3)
+                time.sleep(max(0.0, delay - (time.monotonic() - run.started)))
+                killed(run, kind, delay)
+            else:
+                phase = kind.split(":", 1)[1]
+                offset = round(rng.uniform(0, {"training": 0.15, "packaging": 0.015, "upload": 0.05}[phase]), 4)
+                triggered = wait_for_phase(phase, home, staging, run, timeout=TRIGGER_TIMEOUT)
+                time.sleep(offset)
+                killed(run, kind, offset, triggered)
+            run = None
+
+        # Drain: a run that only uploads, until every row has reached the server and been verified.
+        run = AgentRun(home, agent_env, "--no-training")
+
+        def drained():
+            states = {r["state"] for r in outbox_rows(home).values()}
+            return states <= {"sent", "accepted", "rejected"}
+
+        ok, waited = wait_for(drained, timeout=120, interval=0.5)
+        assert ok, "the outbox did not drain:\n" + run.output.tail()
+
+        def server_deltas() -> list[dict]:
+            found, page = [], 1
+            while True:
+                status, listing = api.call("GET", f"/deltas/?device={device_id}&page_size=500&page={page}")
+                assert status == 200, listing
+                found += listing["results"]
+                if not listing.get("next"):
+                    return found
+                page += 1
+
+        def verified():
+            deltas = server_deltas()
+            return deltas if deltas and all(d["state"] != "received" for d in deltas) else None
+
+        deltas, _ = wait_for(verified, timeout=90, interval=1)
+        assert deltas, "the server did not verify every delta:\n" + output.tail()
+        wait_for(lambda: all(r["state"] != "sent" for r in outbox_rows(home).values()), timeout=15, interval=0.5)
+        run.process.send_signal(signal.SIGTERM)
+        run.process.wait(timeout=30)
+        run = None
+        rows = check_state(home, rows, public_key)
+        final = _agent(home, "status")  # the command itself, as a person would run it
+        assert final.returncode == 0, final.stdout + final.stderr
+        assert json.loads(final.stdout)["outbox"] == dict(Counter(r["state"] for r in rows.values()))
+
+        # The server counted each delta exactly once.
+        server_shas = Counter(d["sha256"] for d in deltas)
+        duplicated = {sha: n for sha, n in server_shas.items() if n > 1}
+        assert not duplicated, f"the server holds some deltas more than once: {duplicated}"
+        assert set(server_shas) == set(rows), (
+            f"missing on the server: {sorted(set(rows) - set(server_shas))}; "
+            f"unknown to the outbox: {sorted(set(server_shas) - set(rows))}"
+        )
+        counters = Counter(d["counter"] for d in deltas)
+        assert all(n == 1 for n in counters.values()), f"counters repeated server-side: {counters.most_common(3)}"
+        assert all(d["counter"] == rows[d["sha256"]]["counter"] for d in deltas)
+        codes = Counter(d["rejection_code"] for d in deltas if d["state"] == "rejected")
+        assert not {"replayed_counter", "hash_mismatch"} & set(codes), codes
+        assert all(r["state"] in ("sent", "accepted", "rejected") for r in rows.values())
+        # Progress despite the kills: deltas kept being made after the first, and uploads cut short resumed.
+        assert len(rows) >= 2, f"only {len(rows)} delta(s) made in {len(kills)} runs"
+
+        phases = Counter(k["phase"] for k in kills)
+        in_flight = sum(k["upload_in_flight"] for k in kills)
+        stray, temporary = orphans(home, rows)
+        _say(
+            f"SUMMARY seed {SEED}: {len(kills) + 1} agent runs, {len(kills)} SIGKILLs"
+            f" ({Counter(k['kind'].split(':')[0] for k in kills)}), random delays in [{MIN_DELAY}, {upper:.2f}]s;"
+            f" training-thread phase at the kill: {dict(phases)}; upload in flight at {in_flight} kills;"
+            f" targeted triggers hit: {sum(bool(k['triggered']) for k in kills if k['triggered'] is not None)}"
+            f"/{sum(TARGETED_KILLS.values())}"
+        )
+        _say(
+            f"SUMMARY outbox {len(rows)} deltas {dict(Counter(r['state'] for r in rows.values()))}, counters"
+            f" {min(r['counter'] for r in rows.values())}..{max(r['counter'] for r in rows.values())};"
+            f" server {len(deltas)} deltas {dict(Counter(d['state'] for d in deltas))}, rejections {dict(codes)};"
+            f" orphan delta files {stray}, leftover temporary files {temporary}; drained in {waited:.1f}s;"
+            f" total {time.monotonic() - began:.0f}s"
+        )
+        by_phase = Counter((k["phase"], k["upload_in_flight"]) for k in kills)
+        _say("SUMMARY kills by (training-thread phase, upload in flight): " + json.dumps(
+            {f"{p}{' + upload' if u else ''}": n for (p, u), n in sorted(by_phase.items())}))  # fmt: skip
+        artifacts = ROOT / "tests" / "artifacts"
+        artifacts.mkdir(parents=True, exist_ok=True)
+        (artifacts / "agent_kill.json").write_text(json.dumps({"seed": SEED, "upper": upper, "kills": kills}, indent=2))
+    finally:
+        if run is not None:
+            kill(run.process)
+        if launcher is not None:
+            stop_launcher(launcher)
+        drop_stack(env)
