@@ -104,6 +104,8 @@ class Device(models.Model):
             models.Index(fields=["cohort", "status"]),
             models.Index(fields=["status", "online"]),
             models.Index(fields=["agent_version"]),
+            # The device list's order (Meta.ordering): a page is an index walk, not a sort of the whole fleet.
+            models.Index(fields=["name", "id"]),
         ]
 
     def __str__(self) -> str:

@@ -29,6 +29,7 @@ from edge_agent.training import TrainConfig, train_adapter
 logger = logging.getLogger("edge_agent.runtime")
 CONFIG_FILE = "settings.json"
 LAST_TRAINING_FILE = "last_training.json"
+TRAINING_RUN_FILE = "training_run.json"  # the samples a training pass uses, until it has ended
 
 
 @dataclass
@@ -156,6 +157,21 @@ class DeviceRuntime:
                 metrics[f"{name}_change"] = round(metrics[name] - metrics[f"previous_{name}"], 6)
         return metrics
 
+    def _pass_samples(self, current: dict) -> int:
+        """How many samples (from the start of the store) this pass trains on. A pass cut short (power loss,
+        kill) is taken up on the same samples, so train_adapter's fingerprint matches and it resumes from its
+        checkpoint; samples that arrived since wait for the next pass. Otherwise: all of them."""
+        path, total = self.home / TRAINING_RUN_FILE, len(self.samples)
+        try:
+            interrupted = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:  # written atomically, so only a hand edit gets here: start afresh
+            interrupted = {}
+        count = int(interrupted.get("count", 0))
+        if interrupted.get("sha256") == current.get("sha256") and self.samples.trained_count < count <= total:
+            return count  # (a pass that got as far as marking its samples trained has ended: not this one)
+        atomic_write(path, json.dumps({"sha256": current.get("sha256"), "count": total}).encode(), mode=0o600)
+        return total
+
     def delta_tensors(self, model, started: dict) -> dict:
         """The adapter to upload the change of (a hook: the demo's misbehaving device overrides it)."""
         return adapter_tensors(model)
@@ -176,14 +192,15 @@ class DeviceRuntime:
                 return self._note(status="skipped", reason=reason)
         started = {k: v.clone() for k, v in load_file(current["path"]).items()}
         family, model = self._model(training, started, self.adapters.state()["base_model_sha256"])
-        data = {k: torch.as_tensor(v) for k, v in self.samples.load().items()}
+        count = self._pass_samples(current)
+        data = {k: torch.as_tensor(v) for k, v in self.samples.load(0, count).items()}
         train, val = local_split(data)
         config = TrainConfig(**{**self.config.train, "checkpoint_dir": self.home / "checkpoints"})
         replay = ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
         result = train_adapter(model, train, val, config=config, family=family, replay=replay)
-        count = len(self.samples)
         if result.discarded:
             self.samples.mark_trained(count)
+            (self.home / TRAINING_RUN_FILE).unlink(missing_ok=True)
             logger.info("discarded the update: %s", result.reason)
             return self._note(status="discarded", reason=result.reason, before=result.before, after=result.after)
         item, added = self.outbox.put_delta(
@@ -202,6 +219,7 @@ class DeviceRuntime:
         }
         atomic_write(item.path.with_suffix(".metrics.json"), json.dumps(metrics).encode(), mode=0o600)
         self.samples.mark_trained(count)
+        (self.home / TRAINING_RUN_FILE).unlink(missing_ok=True)
         logger.info(
             "trained %s v%s on %d samples: %s -> %s; delta %s queued (counter %d)",
             current["adapter"],
@@ -227,14 +245,30 @@ class DeviceRuntime:
 class OutboxUploads:
     """The outbox seen by the socket uploader (``edge_agent.connection.UploadSource``)."""
 
+    RECHECK_SENT_SECONDS = 30.0
+
     def __init__(self, outbox: Outbox):
         self.outbox = outbox
+        self.checked: dict[str, float] = {}
 
     def next_upload(self) -> dict | None:
+        """The oldest delta the server does not have yet; else, now and then, one it has but whose verdict
+        this agent missed (it was down when the server pushed it): beginning that upload again is
+        answered with the delta's current state, never counted twice."""
         pending = self.outbox.pending()
-        if not pending:
-            return None
-        item = pending[0]
+        if pending:
+            item = pending[0]
+        else:
+            now = time.monotonic()
+            due = [
+                i
+                for i in self.outbox.items("sent")
+                if now - self.checked.get(i.sha256, -1e9) > self.RECHECK_SENT_SECONDS
+            ]
+            if not due:
+                return None
+            item = due[0]
+            self.checked[item.sha256] = now
         metrics_path = item.path.with_suffix(".metrics.json")
         return {
             "sha256": item.sha256,

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
-from django.db.models.functions import TruncHour
+from django.db.models.functions import Coalesce, TruncHour
 from django.utils import timezone
 
 from devices.models import Cohort, Device, DeviceEvent, DeviceStatus, EnrollmentToken
@@ -27,6 +27,25 @@ RECENT_ACTIVITY = 20
 VERSION_CHOICES_LIMIT = 300
 LINEAGE_LIMIT = 500
 CHARTED_METRICS = ("eval_accuracy", "eval_loss")
+
+
+def _count_of(model, fk: str, **filters) -> Coalesce:
+    """How many ``model`` rows point at the outer row through ``fk`` (0 if none), as a correlated subquery.
+
+    PostgreSQL runs it only for the rows a page shows (after ORDER BY ... LIMIT), each through the child's
+    ``(fk, state)`` index; a ``Count`` over a join would group every child row (all deltas, all assignments)
+    before the LIMIT, and make the paginator's count join them too.
+    """
+    return Coalesce(
+        Subquery(
+            model.objects.filter(**{fk: OuterRef("pk")}, **filters)
+            .order_by()
+            .values(fk)
+            .annotate(n=Count("*"))  # COUNT(*), not COUNT(id): an index-only scan of the (fk, state) index
+            .values("n")
+        ),
+        0,
+    )
 
 
 def paginate(queryset: QuerySet, page_number, per_page: int) -> Page:
@@ -103,8 +122,8 @@ def _round_rows() -> QuerySet:
     return (
         Round.objects.select_related("adapter", "base_version", "result_version")
         .annotate(
-            accepted=Count("deltas", filter=Q(deltas__state__in=(Delta.State.ACCEPTED, Delta.State.AGGREGATED))),
-            rejected=Count("deltas", filter=Q(deltas__state=Delta.State.REJECTED)),
+            accepted=_count_of(Delta, "round", state__in=(Delta.State.ACCEPTED, Delta.State.AGGREGATED)),
+            rejected=_count_of(Delta, "round", state=Delta.State.REJECTED),
         )
         .order_by("-created_at", "-id")
     )
@@ -444,13 +463,10 @@ def round_detail(round_id: int, *, state: str = "", page: Any = 1) -> RoundDetai
 
 # --- rollouts -------------------------------------------------------------------------------------------------
 
-_ASSIGNMENT_COUNTS = {
-    f"n_{state}": Count("assignments", filter=Q(assignments__state=state)) for state in Assignment.State.values
-}
-
 
 def rollout_list(*, state: str = "") -> QuerySet:
-    rollouts = Rollout.objects.select_related("version__adapter", "cohort").annotate(**_ASSIGNMENT_COUNTS)
+    counts = {f"n_{state_}": _count_of(Assignment, "rollout", state=state_) for state_ in Assignment.State.values}
+    rollouts = Rollout.objects.select_related("version__adapter", "cohort").annotate(**counts)
     if state:
         rollouts = rollouts.filter(state=state)
     return rollouts.order_by("-created_at", "-id")
