@@ -113,14 +113,20 @@ class DemoDevice:
 
     def configure(self) -> AgentConfig:
         config = AgentConfig.load(self.home)
-        config.data = {"kind": "simulated", "device_index": self.index, "num_devices": self.total, "alpha": 0.5}
+        config.data = {
+            "kind": "simulated",
+            "device_index": self.index,
+            "num_devices": self.total,
+            "alpha": 0.5,
+            "per_poll": 32,
+        }
         config.power = (
             {"kind": "simulated", "level": 70.0, "charging": False, "drain_per_hour": 30.0, "seed": self.index}
             if self.on_battery
             else {"kind": "simulated", "level": 100.0, "charging": True, "seed": self.index}
         )
         config.policy = {"min_new_samples": 32, "min_battery_percent": 30.0}
-        config.train = {"epochs": 5, "lr": 0.03, "replay_ratio": 0.25}
+        config.train = {"epochs": 6, "lr": 0.03, "replay_ratio": 0.25}
         config.train_interval_seconds = 4.0
         config.save(self.home)
         return config
