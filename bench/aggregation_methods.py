@@ -1,0 +1,449 @@
+"""The measured methods of ``bench/aggregation.py``, each run in a fresh process of its own.
+
+``python bench/aggregation_methods.py '<job json>'`` imports what the method needs, reads the deltas'
+envelopes (the product has them in its database), records the RSS after the imports, runs the method once,
+timed, and prints ``RESULT <json>`` as its last line: seconds, CPU seconds, RSS after imports and peak
+RSS (VmHWM; for the two-process methods, per process), plus a check of the numbers where there is
+one. Aggregates are saved as ``bench/results/aggregation-tmp/<size>/<method>.safetensors`` so the Flower
+methods (run later) can compare against ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import resource
+import struct
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aggregation_data import RESULTS, layout, num_samples, parse_size  # noqa: E402
+
+CHUNK = 1 << 20  # what training.blobs streams with
+TMP = RESULTS / "aggregation-tmp"
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_peak() -> int:
+    """Peak RSS of this process (VmHWM). Not ``ru_maxrss``: after fork + exec that also holds the RSS the
+    parent had at the fork (Linux keeps the larger of the two), which would hide a small child's peak."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def sidecars(size) -> list[dict]:
+    return [json.loads(path.read_text()) for path in size.sidecars()]
+
+
+# --- the floor ----------------------------------------------------------------------------------------
+
+
+def floor_pass(paths: list[str], envelopes: list[dict]) -> None:
+    """sha256 of each file plus one streaming numpy pass (float32 sum of every 1 MiB chunk)."""
+    import numpy as np
+
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    for path, sidecar in zip(paths, envelopes, strict=True):
+        digest, total = hashlib.sha256(), 0.0
+        with open(path, "rb", buffering=0) as handle:
+            while count := handle.readinto(buffer):
+                digest.update(view[:count])
+                total += float(np.frombuffer(buffer, dtype=np.float32, count=count // 4).sum())
+        if digest.hexdigest() != sidecar["envelope"]["sha256"]:
+            raise RuntimeError(f"{path}: the cached file does not match its envelope")
+
+
+# --- verification -------------------------------------------------------------------------------------
+
+
+def check_envelope(sidecar: dict) -> dict:
+    from edge_agent.delta import parse_envelope
+    from edge_agent.protocol import public_key_from_b64, verify
+
+    envelope = parse_envelope(sidecar["envelope"])
+    if not verify(public_key_from_b64(sidecar["public_key"]), envelope, sidecar["signature"]):
+        raise RuntimeError("bad signature")
+    return envelope
+
+
+def streaming_sha256(path: str) -> tuple[str, int]:
+    """As ``training.blobs.blob_put_file`` hashes an upload: 1 MiB reads."""
+    digest, size = hashlib.sha256(), 0
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            digest.update(view[:count])
+            size += count
+    return digest.hexdigest(), size
+
+
+def verify_streaming(index: int, path: str, sidecar: dict, spec: dict, max_norm: float) -> float:
+    """The server's checks without holding the file: envelope signature, sha256 and size (streamed), the
+    header with ``training.artifacts.read_header`` on a read-only mmap (only the header's pages are read),
+    the encoding, the spec (``training.artifacts.check_spec``), then finite values and the L2 norm with
+    ``training.strategies.base.delta_norm`` (safe_open, row ranges). Returns the norm."""
+    from edge_agent.delta import read_encoding
+    from training.artifacts import check_spec, read_header
+    from training.strategies.base import DeltaInput, delta_norm
+
+    envelope = check_envelope(sidecar)
+    sha, size = streaming_sha256(path)
+    if sha != envelope["sha256"] or size != envelope["size"]:
+        raise RuntimeError(f"{path}: hash_mismatch")
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        header = read_header(mapped)
+        (header_size,) = struct.unpack("<Q", mapped[:8])
+        metadata = json.loads(mapped[8 : 8 + header_size]).get("__metadata__") or {}
+    encoding, _ = read_encoding(metadata)
+    check_spec(header, {name: {**entry, "dtype": "F32"} for name, entry in spec.items()})
+    norm = delta_norm(DeltaInput(path, num_samples(index)), index)  # raises ValueError on NaN/inf
+    if norm > max_norm:
+        raise RuntimeError(f"{path}: norm_too_large")
+    return norm
+
+
+def verify_product(path: str, sidecar: dict, adapter) -> float:
+    """What ``training.verification`` does for the contents: the whole file read into memory (as
+    ``blob_read``), then the real ``_check_contents`` (``load_safetensors`` of all of it)."""
+    from training.verification import _check_contents
+
+    envelope = check_envelope(sidecar)
+    with open(path, "rb") as handle:
+        data = handle.read()
+    if hashlib.sha256(data).hexdigest() != envelope["sha256"] or len(data) != envelope["size"]:
+        raise RuntimeError(f"{path}: hash_mismatch")
+    _, norm = _check_contents(None, adapter, data)
+    return norm
+
+
+def django_for_product() -> None:
+    """``training.verification`` imports Django models: configure Django with unreachable services (no
+    connection is made; ``_check_contents`` touches no database)."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
+    os.environ.setdefault("DATABASE_URL", "postgresql://bench@127.0.0.1:9/unused")
+    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:9/0")
+    os.environ.setdefault("FLEET_DATA_DIR", str(TMP / "fleet-data"))
+    import django
+
+    django.setup()
+
+
+# --- ours ---------------------------------------------------------------------------------------------
+
+
+def spec_of(size) -> dict:
+    return {name: {"shape": shape} for name, shape in layout(size.params).items()}
+
+
+def save_result(label: str, method: str, tensors: dict) -> str:
+    from safetensors.torch import save_file
+
+    folder = TMP / label
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{method}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return str(path)
+
+
+def load_result(label: str, method: str):
+    from safetensors.numpy import load_file
+
+    path = TMP / label / f"{method}.safetensors"
+    return load_file(str(path)) if path.exists() else None
+
+
+def compare(ours: dict | None, theirs: dict, *, exact: bool = False, against: str = "") -> dict:
+    """Max abs difference over every key, relative to the largest |value|; ok within 1e-4 relative."""
+    import numpy as np
+
+    if ours is None:
+        return {"check": f"no {against} result to compare", "ok": None}
+    worst, peak = 0.0, 0.0
+    for key, value in ours.items():
+        other = np.asarray(theirs[key], dtype=np.float32).reshape(value.shape)
+        worst = max(worst, float(np.max(np.abs(value.astype(np.float64) - other.astype(np.float64)))))
+        peak = max(peak, float(np.max(np.abs(value))))
+    rel = worst / peak if peak else worst
+    ok = worst == 0.0 if exact else rel <= 1e-4
+    text = "identical" if worst == 0.0 else f"max|Δ| {worst:.1e} (rel {rel:.1e})"
+    return {"check": f"{text} vs {against}: {'ok' if ok else 'MISMATCH'}", "ok": ok, "max_abs_diff": worst}
+
+
+def method_verify_fedavg(job, size, envelopes, *, product: bool = False) -> dict:
+    from training.aggregation_settings import AGGREGATION_DEFAULTS
+    from training.strategies import DeltaInput, get_strategy
+
+    spec = spec_of(size)
+    paths = [str(p) for p in size.paths()]
+    if product:
+        from types import SimpleNamespace
+
+        adapter = SimpleNamespace(tensor_spec=spec, aggregation={}, dp={})
+    start, cpu = time.perf_counter(), cpu_seconds()
+    norms = []
+    for index, (path, sidecar) in enumerate(zip(paths, envelopes, strict=True)):
+        if product:
+            norms.append(verify_product(path, sidecar, adapter))
+        else:
+            norms.append(verify_streaming(index, path, sidecar, spec, AGGREGATION_DEFAULTS["max_norm"]))
+    verified = time.perf_counter()
+    inputs = [
+        DeltaInput(path, num_samples(i), 0, norm) for i, (path, norm) in enumerate(zip(paths, norms, strict=True))
+    ]
+    result = get_strategy("fedavg").aggregate(inputs, spec=spec, base=None, params={})
+    seconds = time.perf_counter() - start
+    out = {"seconds": seconds, "cpu_seconds": cpu_seconds() - cpu, "verify_seconds": verified - start}
+    name = "verify_fedavg_product" if product else "verify_fedavg"
+    save_result(size.label, name, result)
+    if product:
+        reference = load_result(size.label, "verify_fedavg")
+        if reference is not None:
+            out.update(compare(reference, {k: v.numpy() for k, v in result.items()}, exact=True, against="streaming"))
+        out["norms"] = norms[:3]
+    else:
+        out["norms"] = norms[:3]
+    return out
+
+
+def method_robust(job, size, envelopes, name: str) -> dict:
+    from training.strategies import DeltaInput, get_strategy
+
+    spec = spec_of(size)
+    inputs = [DeltaInput(str(path), num_samples(i)) for i, path in enumerate(size.paths())]
+    params = {"trim_ratio": 0.1} if name == "trimmed_mean" else {}
+    start, cpu = time.perf_counter(), cpu_seconds()
+    result = get_strategy(name).aggregate(inputs, spec=spec, base=None, params=params)
+    out = {"seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu}
+    save_result(size.label, name, result)
+    return out
+
+
+# --- two processes (two Celery workers) ---------------------------------------------------------------
+
+
+def _worker(job: dict, part: list, ready, go, results) -> None:
+    """One stand-in Celery worker: imports, says ready, waits for the start, does its part, reports."""
+    size = parse_size(job["size"])
+    envelopes = sidecars(size)
+    if job["method"].startswith("floor"):
+        import numpy  # noqa: F401
+    else:
+        import torch
+
+        if job.get("torch_threads"):
+            torch.set_num_threads(job["torch_threads"])
+        from training.strategies import get_strategy  # noqa: F401
+    base = rss_now()
+    ready.put(os.getpid())
+    go.wait()
+    start, cpu = time.perf_counter(), cpu_seconds()
+    out = {"partials": []}
+    paths = [str(p) for p in size.paths()]
+    if job["method"].startswith("floor"):
+        floor_pass([paths[i] for i in part], [envelopes[i] for i in part])
+    else:
+        from safetensors.torch import save as save_safetensors
+
+        from training.aggregation_settings import AGGREGATION_DEFAULTS
+        from training.strategies import DeltaInput, get_strategy
+
+        spec = spec_of(size)
+        strategy = get_strategy("fedavg")
+        for shard_index, members in part:
+            inputs = []
+            for i in members:
+                norm = verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
+                inputs.append(DeltaInput(paths[i], num_samples(i), 0, norm))
+            sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
+            # as training.aggregation.shard_partial: the float64 sums stored as a safetensors blob
+            blob = TMP / size.label / f"partial-{shard_index:04d}.safetensors"
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(save_safetensors({k: v.contiguous() for k, v in sorted(sums.items())}))
+            out["partials"].append((shard_index, str(blob), weight))
+    out.update(
+        seconds=time.perf_counter() - start,
+        cpu_seconds=cpu_seconds() - cpu,
+        rss_start=base,
+        rss_peak=rss_peak(),
+        count=len(part),
+    )
+    results.put(out)
+
+
+def method_two(job, size, envelopes) -> dict:
+    """Two spawned processes each take half the work (the floor: half the files; ours: the verification
+    and fedavg ``partial`` of half the shards), then this process ``combine``s the partials in shard
+    order, loading them as ``training.aggregation.combine_partials`` does. Timed from the start signal
+    (both workers already imported, like running Celery workers) to the combined result."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    n = size.n
+    if job["method"] == "floor_2proc":
+        parts = [list(range(0, n // 2)), list(range(n // 2, n))]
+    else:
+        from training.strategies import shards
+
+        shard_size = math.ceil(n / 2) if job["method"].endswith("balanced") else 64
+        job = {**job, "params": {"shard_size": shard_size}}
+        layout_ = list(enumerate(shards(list(range(n)), shard_size)))
+        half = math.ceil(len(layout_) / 2)
+        parts = [layout_[:half], layout_[half:]]
+    ready, results, go = context.Queue(), context.Queue(), context.Event()
+    workers = [context.Process(target=_worker, args=(job, part, ready, go, results)) for part in parts]
+    for worker in workers:
+        worker.start()
+    for _ in workers:
+        ready.get(timeout=300)
+    start, cpu = time.perf_counter(), cpu_seconds()
+    go.set()
+    outs = [results.get(timeout=3600) for _ in workers]
+    out: dict = {}
+    if job["method"] != "floor_2proc":
+        from safetensors.torch import load as load_safetensors
+
+        from training.strategies import get_strategy
+
+        combined_start = time.perf_counter()
+        partials = sorted(p for o in outs for p in o["partials"])
+        loaded = [(load_safetensors(Path(path).read_bytes()), float(weight)) for _, path, weight in partials]
+        result = get_strategy("fedavg").combine(loaded, spec=spec_of(size), base=None, params=job["params"])
+        out["combine_seconds"] = time.perf_counter() - combined_start
+        save_result(size.label, job["method"], result)
+        reference = load_result(size.label, "verify_fedavg")
+        if reference is not None:
+            exact = not job["method"].endswith("balanced")
+            out.update(compare(reference, {k: v.numpy() for k, v in result.items()}, exact=exact, against="1 worker"))
+        out["shards_per_worker"] = [[len(members) for _, members in part] for part in parts]
+    out.update(
+        seconds=time.perf_counter() - start,
+        cpu_seconds=cpu_seconds() - cpu + sum(o["cpu_seconds"] for o in outs),
+        workers=[{k: o[k] for k in ("seconds", "cpu_seconds", "rss_start", "rss_peak", "count")} for o in outs],
+    )
+    for worker in workers:  # after the clock: Celery workers stay up, a process exiting is not the chord's cost
+        worker.join()
+    return out
+
+
+# --- Flower -------------------------------------------------------------------------------------------
+
+
+FLOWER_COUNTERPART = {
+    "flower_fedavg": "verify_fedavg",
+    "flower_median": "median",
+    "flower_trimmed_mean": "trimmed_mean",
+    "flower_krum": "krum",
+    "flower_multi_krum": "multi_krum",
+}
+
+
+def method_flower(job, size, envelopes) -> dict:
+    """Flower's functions on the same deltas, loaded (all at once, as they need) as lists of numpy
+    arrays in the spec's order. Loading is timed and included; the aggregate is compared with ours."""
+    from flwr.server.strategy import aggregate as fl
+    from safetensors.numpy import load_file
+
+    from training.strategies.robust import byzantine_count
+
+    name = job["method"]
+    keys = list(layout(size.params))
+    start, cpu = time.perf_counter(), cpu_seconds()
+    results = []
+    for i, path in enumerate(size.paths()):
+        tensors = load_file(str(path))
+        results.append(([tensors[key] for key in keys], num_samples(i)))
+        del tensors
+    loaded = time.perf_counter()
+    f = byzantine_count(None, size.n)  # the f ours uses by default: floor((N - 3) / 2)
+    if name == "flower_fedavg":
+        agg = fl.aggregate(results)
+    elif name == "flower_median":
+        agg = fl.aggregate_median(results)
+    elif name == "flower_trimmed_mean":
+        agg = fl.aggregate_trimmed_avg(results, 0.1)  # int(0.1 * N) cut from each end, as ours
+    elif name == "flower_krum":
+        agg = fl.aggregate_krum(results, f, 0)
+    elif name == "flower_multi_krum":
+        agg = fl.aggregate_krum(results, f, size.n - f)  # ours: multi_k = N - f, sample-weighted
+    else:
+        raise ValueError(name)
+    seconds = time.perf_counter() - start
+    out = {"seconds": seconds, "cpu_seconds": cpu_seconds() - cpu, "load_seconds": loaded - start, "byzantine": f}
+    counterpart = FLOWER_COUNTERPART[name]
+    out.update(
+        compare(
+            load_result(size.label, counterpart),
+            dict(zip(keys, agg, strict=True)),
+            exact=name == "flower_krum",
+            against=f"ours ({counterpart})",
+        )
+    )
+    return out
+
+
+# --- entry --------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    method = job["method"]
+    size = parse_size(job["size"])
+    envelopes = sidecars(size)
+    if method.startswith("flower"):
+        import numpy  # noqa: F401
+        from flwr.server.strategy import aggregate  # noqa: F401
+    elif method.startswith("floor"):
+        import numpy  # noqa: F401
+    else:
+        import torch
+
+        if job.get("torch_threads"):
+            torch.set_num_threads(job["torch_threads"])
+        from training.strategies import get_strategy  # noqa: F401
+
+        if method == "verify_fedavg_product":
+            django_for_product()
+            import training.verification  # noqa: F401
+    base = rss_now()
+    if method == "floor":
+        start, cpu = time.perf_counter(), cpu_seconds()
+        floor_pass([str(p) for p in size.paths()], envelopes)
+        out = {"seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu}
+    elif method in ("floor_2proc", "verify_fedavg_2w", "verify_fedavg_2w_balanced"):
+        out = method_two(job, size, envelopes)
+    elif method in ("verify_fedavg", "verify_fedavg_product"):
+        out = method_verify_fedavg(job, size, envelopes, product=method == "verify_fedavg_product")
+    elif method in ("median", "trimmed_mean", "krum", "multi_krum"):
+        out = method_robust(job, size, envelopes, method)
+    elif method.startswith("flower_"):
+        out = method_flower(job, size, envelopes)
+    else:
+        raise SystemExit(f"unknown method {method}")
+    if "torch" in sys.modules:
+        out["torch_threads"] = sys.modules["torch"].get_num_threads()
+    out.update(rss_start=base, rss_peak=rss_peak())
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
