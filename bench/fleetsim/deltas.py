@@ -74,7 +74,3 @@ def make_delta(tensor_spec: dict, index: int) -> AgentDelta:
     }
     data = bytearray(encode_delta(tensors))
     return AgentDelta(data=data, prefix_hash=hashlib.sha256(bytes(data[:-4])))
-
-
-def delta_size(tensor_spec: dict) -> int:
-    return len(make_delta(tensor_spec, 0).data)

@@ -267,7 +267,7 @@ class IngestAgent:
         if code == "wrong_offset":
             await self._send_begin()
         else:
-            self._abandon()
+            self._idle()
 
     def _on_outcome(self, sha256: str | None, state: str | None, code: str, how: str) -> None:
         upload = self.upload
@@ -279,9 +279,6 @@ class IngestAgent:
         if state not in FINAL_STATES:
             return  # received: the result is pushed once the worker has verified it
         self.stats.completions.append((self.first_byte, self.transferred, now, state, code, how))
-        self._idle()
-
-    def _abandon(self) -> None:
         self._idle()
 
     def _idle(self) -> None:
@@ -358,12 +355,12 @@ class IngestAgent:
         except Exception as exc:
             self.stats.error(f"rest PUT: {failure_reason(exc)}")
             if self.upload is upload:
-                self._abandon()
+                self._idle()
             return
         if response.status not in (200, 201):
             self.stats.error(f"rest PUT: {response.status} {response.error_code}")
             if self.upload is upload:
-                self._abandon()
+                self._idle()
             return
         body = response.json()
         self._on_outcome(upload.sha256, body.get("state"), body.get("rejection_code") or "", "state")

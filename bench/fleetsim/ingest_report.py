@@ -93,8 +93,9 @@ def render_details(phases: list[dict]) -> str:
             seconds = [s for s in totals["aggregation_seconds"] if s is not None]
             lines.append(
                 f"  - server after the phase: deltas {totals['deltas']}, rounds {totals['rounds']}, "
-                f"{totals['deltas_in_rounds']:,} deltas counted in rounds (agents saw {p['accepted_total']:,} "
-                f"accepted so far), {totals['versions_made']} versions made, aggregation "
+                f"{totals['deltas_in_rounds']:,} deltas counted in rounds (the agents were told of "
+                f"{p['accepted_total']:,} acceptances before their phases ended), {totals['versions_made']} versions "
+                f"made, aggregation "
                 f"{fmt(sum(seconds) / len(seconds), 2) if seconds else '-'} s per round on average"
                 + (f"; round failures: {totals['failures'][:2]}" if totals["failures"] else "")
             )
