@@ -8,12 +8,15 @@ socket's channel.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.db import connection
 
 from devices import presence
 from devices.errors import DeviceAuthFailed
@@ -21,6 +24,7 @@ from devices.identity import device_verify, ensure_may_sync, new_nonce
 from devices.models import Device, DeviceEvent
 from edge_agent.protocol import (
     HELLO_TIMEOUT_SECONDS,
+    MAX_BINARY_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES_BEFORE_AUTH,
     PROTOCOL_VERSION,
@@ -28,11 +32,31 @@ from edge_agent.protocol import (
     MessageType,
     b64decode,
     decode,
+    decode_chunk_frame,
     encode,
     hello_payload,
 )
 
 logger = logging.getLogger(__name__)
+
+
+# The sockets' database work runs on a few threads of its own: Channels' default (thread-sensitive) runs the
+# sync code of every socket of the process on one thread, where each hello and each chunk of every upload
+# queued behind all the others. None of these calls relies on thread affinity (each is one short
+# transaction; upload steps lock their staging file), and each thread takes its connection from the pool.
+_SOCKET_DB_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agent-socket-db")
+
+
+def _socket_db(func):
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        finally:
+            # Back to the pool (fleet/asgi.py); without one, closed rather than left open in an idle thread.
+            connection.close()
+
+    return database_sync_to_async(call, thread_sensitive=False, executor=_SOCKET_DB_THREADS)
 
 
 class Refused(Exception):
@@ -41,7 +65,7 @@ class Refused(Exception):
         self.code, self.error, self.message = code, error, message
 
 
-@database_sync_to_async
+@_socket_db
 def _authenticate(device_id, nonce: str, signature) -> Device:
     try:
         device = device_verify(
@@ -57,23 +81,13 @@ def _authenticate(device_id, nonce: str, signature) -> Device:
     return device
 
 
-@database_sync_to_async
-def _pending_assignment(device_id: str) -> dict | None:
-    """The newest assignment the device has not installed yet, as the message it should receive."""
+@_socket_db
+def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> dict | None:
+    """Note the agent's version and hardware when they changed; return the newest assignment the device has
+    not installed yet, as the message it should receive (one trip to the database thread per hello)."""
     from training.delivery import assignment_message, current_assignment
+    from training.rollouts import assignment_for_newcomer
 
-    assignment = current_assignment(device_id)
-    if assignment is None:
-        from training.rollouts import assignment_for_newcomer
-
-        # A newcomer's assignment is pushed to this socket by ``deliver`` once it is committed.
-        assignment_for_newcomer(device=Device.objects.get(pk=device_id))
-        return None
-    return assignment_message(assignment)
-
-
-@database_sync_to_async
-def _note_agent(device: Device, agent_version: str, hardware: dict | None) -> None:
     changes = {}
     if agent_version and agent_version != device.agent_version:
         changes["agent_version"] = agent_version
@@ -82,13 +96,18 @@ def _note_agent(device: Device, agent_version: str, hardware: dict | None) -> No
     if changes:
         Device.objects.filter(pk=device.pk).update(**changes)
         DeviceEvent.objects.create(device=device, kind=DeviceEvent.Kind.UPDATED, actor_label="device", detail=changes)
+    assignment = current_assignment(device.pk)
+    if assignment is None:
+        # A newcomer's assignment is pushed to this socket by ``deliver`` once it is committed.
+        assignment_for_newcomer(device=device)
+        return None
+    return assignment_message(assignment)
 
 
-@database_sync_to_async
-def _delta_begin(device_id: str, message: dict):
+@_socket_db
+def _delta_begin(device: Device, message: dict):
     from training.intake import upload_begin
 
-    device = Device.objects.get(pk=device_id)
     return upload_begin(
         device=device,
         envelope=message.get("envelope"),
@@ -98,11 +117,11 @@ def _delta_begin(device_id: str, message: dict):
     )
 
 
-@database_sync_to_async
-def _delta_append(device_id: str, sha256: str, offset: int, data: bytes):
+@_socket_db
+def _delta_append(device: Device, sha256: str, offset: int, data: bytes):
     from training.intake import upload_append
 
-    return upload_append(device=Device.objects.get(pk=device_id), sha256=sha256, offset=offset, data=data, channel="ws")
+    return upload_append(device=device, sha256=sha256, offset=offset, data=data, channel="ws")
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -127,12 +146,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if self.closed:
             return
         self.closed = True
-        await self.send(encode(MessageType.ERROR, code=error, message=message))
-        await self.close(code=code)
+        try:
+            await self.send(encode(MessageType.ERROR, code=error, message=message))
+            await self.close(code=code)
+        except Exception:  # the client is already gone (uvicorn's ClientDisconnected): nothing left to tell
+            logger.debug("socket of %s gone before it could be refused", self.device_id or "an unknown device")
 
     async def receive(self, text_data=None, bytes_data=None):
         if self.closed:
             return
+        if bytes_data is not None and self.device_id is not None:
+            return await self.on_binary(bytes_data)
         limit = MAX_MESSAGE_BYTES if self.device_id else MAX_MESSAGE_BYTES_BEFORE_AUTH
         try:
             message = decode(text_data if text_data is not None else bytes_data, limit=limit)
@@ -161,19 +185,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def on_hello(self, message: dict) -> None:
         device = await _authenticate(message.get("device_id"), self.nonce, message.get("signature"))
         self.hello_deadline.cancel()
+        # Kept for the life of the socket: a change of status that ends syncing closes the socket
+        # (devices.services), and verification checks the device again before a delta counts.
+        self.device = device
         self.device_id = str(device.pk)
         replaced = await presence.record_connected(self.device_id, self.channel_name)
         if replaced:
             await self.channel_layer.send(
                 replaced, {"type": "device.close", "code": CloseCode.REPLACED, "reason": "connected again elsewhere"}
-            )
-        agent_version = message.get("agent_version")
-        hardware = message.get("hardware")
-        if (isinstance(agent_version, str) and len(agent_version) <= 32) or isinstance(hardware, dict):
-            await _note_agent(
-                device,
-                agent_version if isinstance(agent_version, str) and len(agent_version) <= 32 else "",
-                hardware if isinstance(hardware, dict) and len(hardware) <= 16 else None,
             )
         await self.send(
             encode(
@@ -186,7 +205,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
             )
         )
         # A device that was offline when its assignment was made gets it now.
-        pending = await _pending_assignment(self.device_id)
+        agent_version, hardware = message.get("agent_version"), message.get("hardware")
+        pending = await _after_hello(
+            device,
+            agent_version if isinstance(agent_version, str) and len(agent_version) <= 32 else "",
+            hardware if isinstance(hardware, dict) and len(hardware) <= 16 else None,
+        )
         if pending is not None:
             await self.send(
                 encode(
@@ -199,27 +223,45 @@ class AgentConsumer(AsyncWebsocketConsumer):
             state = presence.parse_heartbeat(message)
         except ValueError as exc:
             raise Refused(CloseCode.MALFORMED, "malformed", f"heartbeat: {exc}") from None
-        await presence.record_heartbeat(self.device_id, state)
+        try:
+            await presence.record_heartbeat(self.device_id, state)
+        except Exception:  # Redis away for a moment: keep the socket; the next heartbeat records it
+            logger.warning("could not record a heartbeat of %s", self.device_id, exc_info=True)
         await self.send(encode(MessageType.HEARTBEAT_ACK, seq=message["seq"], server_time=time.time()))
 
     async def on_delta(self, kind: str, message: dict) -> None:
         """Resumable delta upload (``training.intake``): every step answers with where the upload stands."""
+        envelope = message.get("envelope")
+        sha256 = message.get("sha256") or (envelope.get("sha256") if isinstance(envelope, dict) else None)
+        if kind == MessageType.DELTA_BEGIN:
+            await self._upload_step(sha256, _delta_begin(self.device, message))
+            return
+        offset, data = message.get("offset"), message.get("data")
+        if not isinstance(sha256, str) or not isinstance(offset, int) or isinstance(offset, bool):
+            raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk needs sha256, offset and data")
+        try:
+            raw = b64decode(data, limit=MAX_MESSAGE_BYTES)
+        except ValueError:
+            raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk data is not base64url") from None
+        await self._upload_step(sha256, _delta_append(self.device, sha256, offset, raw))
+
+    async def on_binary(self, frame: bytes) -> None:
+        """A binary frame is a delta chunk with its raw bytes (``edge_agent.protocol.encode_chunk_frame``)."""
+        try:
+            sha256, offset, data = decode_chunk_frame(frame, limit=MAX_BINARY_MESSAGE_BYTES)
+        except OverflowError as exc:
+            return await self.refuse(CloseCode.TOO_LARGE, "too_large", str(exc))
+        except ValueError as exc:
+            return await self.refuse(CloseCode.MALFORMED, "malformed", str(exc))
+        await self._upload_step(sha256, _delta_append(self.device, sha256, offset, data))
+
+    async def _upload_step(self, sha256, step) -> None:
+        """Run one upload step; answer with where the upload stands, or with why it was refused."""
         from training.api.delta_views import upload_state_body
         from training.intake import UploadRefused
 
-        sha256 = message.get("sha256") or (message.get("envelope") or {}).get("sha256")
         try:
-            if kind == MessageType.DELTA_BEGIN:
-                state = await _delta_begin(self.device_id, message)
-            else:
-                offset, data = message.get("offset"), message.get("data")
-                if not isinstance(sha256, str) or not isinstance(offset, int) or isinstance(offset, bool):
-                    raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk needs sha256, offset and data")
-                try:
-                    raw = b64decode(data, limit=MAX_MESSAGE_BYTES)
-                except ValueError:
-                    raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk data is not base64url") from None
-                state = await _delta_append(self.device_id, sha256, offset, raw)
+            state = await step
         except UploadRefused as exc:
             await self.send(encode(MessageType.DELTA_ERROR, sha256=sha256, code=exc.code, message=exc.message))
             return

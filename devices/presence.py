@@ -50,13 +50,18 @@ def async_client() -> aioredis.Redis:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        client = aioredis.Redis.from_url(
+        # A blocking pool: in a reconnect storm more than max_connections writes are in flight at once, and
+        # they should wait their turn rather than fail (a plain pool raises, the socket died with 1011, the
+        # agent reconnected and the storm grew).
+        pool = aioredis.BlockingConnectionPool.from_url(
             settings.REDIS_URL,
+            max_connections=100,
+            timeout=20,
             socket_timeout=30,
             socket_connect_timeout=5,
-            max_connections=200,
             health_check_interval=30,
         )
+        client = aioredis.Redis(connection_pool=pool)
         _async_clients[loop_id] = client
     return client
 

@@ -19,7 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from edge_agent.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, MessageType, b64decode, decode, encode
+from edge_agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    MessageType,
+    b64decode,
+    decode,
+    decode_chunk_frame,
+    encode,
+)
 
 HEARTBEAT_INTERVAL = int(os.environ.get("HEARTBEAT_INTERVAL_SECONDS", "30"))
 
@@ -52,7 +60,12 @@ async def _websocket(scope, receive, send) -> None:
         event = await receive()
         if event["type"] == "websocket.disconnect":
             return
-        message = decode(event.get("text") or "", limit=MAX_MESSAGE_BYTES)
+        if event.get("bytes") is not None:  # a binary delta chunk
+            sha256, offset, data = decode_chunk_frame(event["bytes"])
+            message = {"type": MessageType.DELTA_CHUNK, "sha256": sha256, "offset": offset}
+        else:
+            message = decode(event.get("text") or "", limit=MAX_MESSAGE_BYTES)
+            data = None
         kind = message["type"]
         if kind == MessageType.HELLO:
             reply = encode(
@@ -72,7 +85,8 @@ async def _websocket(scope, receive, send) -> None:
             reply = _state(sha256, size, held[1], "uploading" if held[1] < size else "accepted")
         elif kind == MessageType.DELTA_CHUNK:
             sha256 = message["sha256"]
-            data = b64decode(message["data"], limit=MAX_MESSAGE_BYTES)
+            if data is None:
+                data = b64decode(message["data"], limit=MAX_MESSAGE_BYTES)
             held = uploads.get(sha256)
             if held is None or message["offset"] != held[1]:
                 reply = encode(MessageType.DELTA_ERROR, sha256=sha256, code="wrong_offset", message="")

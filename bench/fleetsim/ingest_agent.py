@@ -7,7 +7,8 @@ full jitter) after a drop. When the simulator's scheduler picks it, it uploads i
 each time, ``deltas.AgentDelta``) one of two ways:
 
 - ``ws``: over its socket, as ``edge_agent.connection.DeltaUploader`` does: ``delta_begin``, then one
-  ``delta_chunk`` (45,000 bytes, base64url) per ``delta_state`` answer, each acknowledged with the new offset.
+  binary chunk frame (256 KiB of raw bytes, ``encode_chunk_frame``) per ``delta_state`` answer, each
+  acknowledged with the new offset.
   After a drop the next session begins again and the server says from which offset to go on.
 - ``rest``: ``PUT /api/v1/device/deltas/<sha256>/`` with a device token (``/device-auth/challenge/`` +
   ``/token/``), the whole file in one body.
@@ -34,13 +35,14 @@ from bench.fleetsim.deltas import AgentDelta
 from bench.fleetsim.http_client import request
 from edge_agent.connection import Backoff
 from edge_agent.protocol import (
-    DELTA_CHUNK_BYTES,
+    DELTA_BINARY_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     MessageType,
     b64encode,
     canonical_json,
     decode,
     encode,
+    encode_chunk_frame,
     sign,
     token_request_payload,
 )
@@ -251,10 +253,8 @@ class IngestAgent:
         state = message.get("state")
         if state == "uploading":
             offset = int(message.get("offset", 0))
-            chunk = bytes(self.delta.data[offset : offset + DELTA_CHUNK_BYTES])
-            await self.socket.send(
-                encode(MessageType.DELTA_CHUNK, sha256=upload.sha256, offset=offset, data=b64encode(chunk))
-            )
+            chunk = bytes(self.delta.data[offset : offset + DELTA_BINARY_CHUNK_BYTES])
+            await self.socket.send(encode_chunk_frame(sha256=upload.sha256, offset=offset, data=chunk))
         else:
             self._on_outcome(upload.sha256, state, message.get("rejection_code") or "", "state")
 
