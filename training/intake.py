@@ -14,10 +14,8 @@ file keeps two connections of one device from interleaving writes.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from django.db import IntegrityError, transaction
 
 from edge_agent.delta import parse_envelope
 from training.blobs import blob_put_file
+from training.live import announce_delta
 from training.models import Delta
 
 logger = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
             rejection_code="too_large",
             rejection_detail=f"the delta is {size} bytes; the limit is {settings.DELTA_MAX_BYTES}",
         )
-        _announce(delta)
+        announce_delta(delta)
         return UploadState(sha256, size, size, delta)
     part, meta = _staging(device.pk, sha256)
     with _locked(part):
@@ -146,13 +145,17 @@ def _metrics(metrics) -> dict:
 
 
 def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str) -> UploadState:
-    """Append ``data`` at ``offset``; on the last byte, store the file and create the delta row."""
-    existing = _existing(device, sha256)
-    if existing is not None:
-        return UploadState(sha256, existing.size, existing.size, existing)
+    """Append ``data`` at ``offset``; on the last byte, store the file and create the delta row.
+
+    A chunk of an upload in progress touches only its staging files (no query); the database is asked only
+    when there is nothing staged, which is when the upload finished (maybe on another connection) or never
+    began."""
     part, meta = _staging(device.pk, sha256)
     with _locked(part):
         if not meta.exists() or not part.exists():
+            existing = _existing(device, sha256)
+            if existing is not None:
+                return UploadState(sha256, existing.size, existing.size, existing)
             raise UploadRefused("unknown_upload", "no upload of this file was begun; send the envelope first", 404)
         staged = json.loads(meta.read_text())
         envelope, size = staged["envelope"], staged["envelope"]["size"]
@@ -171,12 +174,12 @@ def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str
                 rejection_code="too_large",
                 rejection_detail=f"more than the {size} bytes the envelope declares were sent",
             )
-            _announce(delta)
+            announce_delta(delta)
             return UploadState(sha256, size, size, delta)
+        # No fsync per chunk: a part file torn by a crash fails the sha256 check at the end, is kept as a
+        # `hash_mismatch` rejection, and the device may upload the same file again.
         with open(part, "ab") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
         have += len(data)
         if have < size:
             return UploadState(sha256, size, have)
@@ -188,13 +191,9 @@ def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str
 
 def _finish(device, part: Path, staged: dict, channel: str) -> Delta:
     envelope = staged["envelope"]
-    digest = hashlib.sha256()
     with open(part, "rb") as handle:
-        while chunk := handle.read(1024 * 1024):
-            digest.update(chunk)
-        actual = digest.hexdigest()
-        handle.seek(0)
         blob = blob_put_file(handle)  # kept even when the hash is wrong: rejected deltas stay for forensics
+    actual = blob.sha256
     fields: dict = {"blob_sha256": blob.sha256, "metrics": staged.get("metrics") or {}}
     if actual != envelope["sha256"]:
         fields.update(
@@ -207,7 +206,7 @@ def _finish(device, part: Path, staged: dict, channel: str) -> Delta:
         from training.tasks import verify_delta
 
         transaction.on_commit(lambda: verify_delta.delay(delta.pk))
-    _announce(delta)
+    announce_delta(delta)
     return delta
 
 
@@ -221,7 +220,13 @@ def upload_whole(*, device, envelope, signature, data_chunks, channel: str, metr
     return state
 
 
-def _announce(delta: Delta) -> None:
-    from training.live import delta_event
-
-    transaction.on_commit(lambda: delta_event(delta))
+def upload_state(*, device, sha256: str) -> UploadState | None:
+    """Where this device's upload of ``sha256`` stands (for a resuming client), or None if it never began."""
+    delta = _existing(device, sha256)
+    if delta is not None:
+        return UploadState(sha256, delta.size, delta.size, delta)
+    part, meta = _staging(device.pk, sha256)
+    if not meta.exists():
+        return None
+    size = json.loads(meta.read_text())["envelope"]["size"]
+    return UploadState(sha256, size, part.stat().st_size if part.exists() else 0)

@@ -27,6 +27,13 @@ def delta_payload(delta) -> dict:
     }
 
 
+def announce_delta(delta) -> None:
+    """Publish the delta's state once the current transaction commits."""
+    from django.db import transaction
+
+    transaction.on_commit(lambda: delta_event(delta))
+
+
 def delta_event(delta) -> None:
     kind = {"received": "delta.received", "rejected": "delta.rejected"}.get(delta.state, "delta.verified")
     publish(LiveEvent(kind=kind, data=delta_payload(delta)))

@@ -388,15 +388,17 @@ def assignment_for_newcomer(*, device: Device) -> Assignment | None:
     ever had an assignment is left to the rollouts (and the operator's rollbacks) that made it."""
     if device.assignments.exists():
         return None
-    rollout = (
+    # Narrow first (asked on every hello of a device without assignments), the whole rollout only if any.
+    rollout_id = (
         Rollout.objects.filter(cohort_id=device.cohort_id, state=Rollout.State.COMPLETED)
         .exclude(version__state=AdapterVersion.State.REVOKED)
-        .select_related("version")
         .order_by("-finished_at", "-id")
+        .values_list("pk", flat=True)
         .first()
     )
-    if rollout is None:
+    if rollout_id is None:
         return None
+    rollout = Rollout.objects.select_related("version").get(pk=rollout_id)
     return assignment_create(device=device, version=rollout.version, rollout=rollout, phase=len(rollout.phases) - 1)
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Exists, OuterRef, Subquery
 from django.utils import timezone
 from safetensors.torch import load as load_safetensors
 
-from devices.models import Device, DeviceStatus
+from devices.models import DeviceStatus
 from edge_agent.delta import ENCODINGS, decode_tensor, read_encoding
 from edge_agent.protocol import public_key_from_b64, verify
 from training.aggregation_settings import aggregation_settings
@@ -36,7 +37,8 @@ class Rejection(Exception):
 
 def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
     """The tensors a delta for this adapter must hold, in the dtype its encoding stores."""
-    ffa = aggregation_settings(adapter)["ffa"] or aggregation_settings(adapter)["strategy"] == "ffa_lora"
+    settings_ = aggregation_settings(adapter)
+    ffa = settings_["ffa"] or settings_["strategy"] == "ffa_lora"
     dtype = ENCODINGS[encoding]
     return {
         name: {"shape": entry["shape"], "dtype": dtype}
@@ -63,7 +65,7 @@ def _check_bytes(delta: Delta) -> bytes:
 
 
 def _check_device(delta: Delta) -> Adapter:
-    device = Device.objects.select_related("cohort").get(pk=delta.device_id)
+    device = delta.device  # loaded with its cohort by delta_verify
     try:
         key = public_key_from_b64(device.public_key)
     except ValueError:
@@ -72,39 +74,43 @@ def _check_device(delta: Delta) -> Adapter:
         raise Rejection("bad_signature", "the envelope's signature does not verify with this device's key")
     if device.status != DeviceStatus.ACTIVE:
         raise Rejection("device_not_active", f"the device is {device.status}; only active devices may contribute")
-    adapter = Adapter.objects.filter(name=delta.adapter_name).first()
+    adapter = (
+        Adapter.objects.filter(name=delta.adapter_name)
+        .annotate(
+            trains_cohort=Exists(
+                Adapter.cohorts.through.objects.filter(adapter=OuterRef("pk"), cohort=device.cohort_id)
+            )
+        )
+        .first()
+    )
     if adapter is None:
         raise Rejection("unknown_adapter", f"there is no adapter {delta.adapter_name!r}")
-    Delta.objects.filter(pk=delta.pk).update(adapter=adapter)
-    if not adapter.cohorts.filter(pk=device.cohort_id).exists():
+    delta.adapter = adapter
+    if not adapter.trains_cohort:
         raise Rejection("wrong_cohort", f"cohort {device.cohort.name!r} does not train adapter {adapter.name!r}")
     return adapter
 
 
-def _claim_counter(delta: Delta) -> None:
-    try:
-        with transaction.atomic():
-            Delta.objects.filter(pk=delta.pk).update(counter_claimed=True)
-    except IntegrityError:
-        raise Rejection(
-            "replayed_counter", f"counter {delta.counter} was already used by another delta of this device"
-        ) from None
-
-
 def _check_base(delta: Delta, adapter: Adapter) -> AdapterVersion:
-    base = adapter.versions.filter(number=delta.base_version_number).first()
+    """The base version exists, is not revoked and is at most ``max_staleness`` versions behind the newest."""
+    newest = (
+        AdapterVersion.objects.filter(adapter=adapter)
+        .exclude(state=AdapterVersion.State.REVOKED)
+        .order_by("-number")
+        .values("number")[:1]
+    )
+    base = adapter.versions.filter(number=delta.base_version_number).annotate(newest_number=Subquery(newest)).first()
     if base is None or base.state == AdapterVersion.State.REVOKED:
         what = "does not exist" if base is None else "was revoked"
         raise Rejection("unknown_base_version", f"{adapter.name} v{delta.base_version_number} {what}")
-    newest = adapter.versions.exclude(state=AdapterVersion.State.REVOKED).order_by("-number").first()
-    staleness = newest.number - base.number
+    staleness = base.newest_number - base.number
     limit = aggregation_settings(adapter)["max_staleness"]
     if staleness > limit:
         raise Rejection(
             "stale_base_version",
-            f"based on v{base.number}, {staleness} versions behind v{newest.number} (the limit is {limit})",
+            f"based on v{base.number}, {staleness} versions behind v{base.newest_number} (the limit is {limit})",
         )
-    Delta.objects.filter(pk=delta.pk).update(base_version=base, staleness=staleness)
+    delta.base_version, delta.staleness = base, staleness
     return base
 
 
@@ -141,34 +147,67 @@ def _check_contents(delta: Delta, adapter: Adapter, data: bytes) -> tuple[str, f
 
 
 def delta_verify(*, delta_id: int) -> Delta | None:
-    """Verify a received delta; returns it accepted or rejected (None if it is gone or already done)."""
-    delta = Delta.objects.filter(pk=delta_id, state=Delta.State.RECEIVED).first()
+    """Verify a received delta; returns it accepted or rejected (None if it is gone or already done).
+
+    The checks only read; every outcome is written by one conditional update at the end (``_finish``), so a
+    second run, or a run racing this one, changes nothing. The counter is claimed by that same update: it
+    comes after the checks that precede it in DESIGN.md's order (bytes, signature, device, adapter), so a
+    delta that fails a later check still uses up its counter, and a replay is caught by the database's
+    ``UNIQUE(device, counter)`` however close together the two arrive."""
+    delta = Delta.objects.select_related("device__cohort").filter(pk=delta_id, state=Delta.State.RECEIVED).first()
     if delta is None:
         return None
     try:
         data = _check_bytes(delta)
         adapter = _check_device(delta)
-        _claim_counter(delta)
+    except Rejection as rejection:
+        return _finish(delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail)
+    try:
         _check_base(delta, adapter)
         encoding, norm = _check_contents(delta, adapter, data)
     except Rejection as rejection:
-        return _finish(delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail)
-    return _finish(delta, state=Delta.State.ACCEPTED, encoding=encoding, norm=norm)
+        return _finish(
+            delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail, claim_counter=True
+        )
+    return _finish(delta, state=Delta.State.ACCEPTED, encoding=encoding, norm=norm, claim_counter=True)
 
 
-def _finish(delta: Delta, *, state: str, code: str = "", detail: str = "", **fields) -> Delta | None:
-    from training.intake import _announce
+def _finish(
+    delta: Delta, *, state: str, code: str = "", detail: str = "", claim_counter: bool = False, **fields
+) -> Delta | None:
+    from training.live import announce_delta
     from training.rounds import round_admit
 
+    fields.update(
+        adapter=delta.adapter,
+        base_version=delta.base_version,
+        staleness=delta.staleness,
+        verified_at=timezone.now(),
+    )
     with transaction.atomic():
-        changed = Delta.objects.filter(pk=delta.pk, state=Delta.State.RECEIVED).update(
-            state=state, rejection_code=code, rejection_detail=detail[:500], verified_at=timezone.now(), **fields
-        )
+        if claim_counter:
+            try:
+                with transaction.atomic():
+                    changed = _set_outcome(delta, state, code, detail, counter_claimed=True, **fields)
+            except IntegrityError:
+                state, code, claim_counter = Delta.State.REJECTED, "replayed_counter", False
+                detail = f"counter {delta.counter} was already used by another delta of this device"
+                changed = _set_outcome(delta, state, code, detail, **fields)
+        else:
+            changed = _set_outcome(delta, state, code, detail, **fields)
         if not changed:
             return None
-        delta.refresh_from_db()
+        for name, value in fields.items():
+            setattr(delta, name, value)
+        delta.state, delta.rejection_code, delta.rejection_detail = state, code, detail[:500]
+        delta.counter_claimed = claim_counter
         if state == Delta.State.ACCEPTED:
-            round_admit(delta=delta)
-            delta.refresh_from_db()
-        _announce(delta)
+            delta.round = round_admit(delta=delta)
+        announce_delta(delta)
     return delta
+
+
+def _set_outcome(delta: Delta, state: str, code: str, detail: str, **fields) -> int:
+    return Delta.objects.filter(pk=delta.pk, state=Delta.State.RECEIVED).update(
+        state=state, rejection_code=code, rejection_detail=detail[:500], **fields
+    )

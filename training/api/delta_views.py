@@ -26,7 +26,7 @@ from training.api.round_serializers import (
     RoundOpenSerializer,
     RoundSerializer,
 )
-from training.intake import UploadRefused, UploadState, _existing, _staging, upload_append, upload_begin
+from training.intake import UploadRefused, UploadState, upload_append, upload_begin, upload_state
 from training.models import Adapter, Delta, Round
 from training.rounds import round_close, round_open, round_rerun
 from training.services import adapter_set_aggregation
@@ -70,16 +70,10 @@ class DeviceDeltaView(APIView):
 
     @extend_schema(responses={200: DeviceDeltaStateSerializer})
     def get(self, request, sha256: str):
-        device = self._device(request, sha256)
-        delta = _existing(device, sha256)
-        if delta is not None:
-            return Response(upload_state_body(UploadState(sha256, delta.size, delta.size, delta)))
-
-        part, meta = _staging(device.pk, sha256)
-        if not meta.exists():
+        state = upload_state(device=self._device(request, sha256), sha256=sha256)
+        if state is None:
             raise ApiError("not_found", "No upload of this file from this device.", status_code=404)
-        size = json.loads(meta.read_text())["envelope"]["size"]
-        return Response(upload_state_body(UploadState(sha256, size, part.stat().st_size if part.exists() else 0)))
+        return Response(upload_state_body(state))
 
     @extend_schema(
         request={"application/octet-stream": OpenApiTypes.BINARY},
