@@ -4,6 +4,8 @@ import gc
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
+# A connection pool per server process (fleet/settings.py says why ASGI needs one).
+os.environ.setdefault("DATABASE_POOL_SIZE", "8")
 
 from django.core.asgi import get_asgi_application  # noqa: E402
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
+from kombu import Queue
 
 from fleet.env import (
     database_from_url,
@@ -59,7 +60,21 @@ if not _database_url:
         "or point it at a server: DATABASE_URL=postgresql://user:password@host:5432/fleet"
     )
 DATABASES = {"default": database_from_url("DATABASE_URL", _database_url)}
-DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
+# Under ASGI every HTTP request runs its sync code in a thread of its own, so persistent connections pile up
+# (one per request, until the garbage collector finds it) and a few hundred requests take every connection
+# PostgreSQL allows. Django's advice for ASGI is a pool: fleet/asgi.py sets DATABASE_POOL_SIZE for the
+# server processes; Celery workers and commands keep one persistent connection per process.
+DATABASE_POOL_SIZE = env_int("DATABASE_POOL_SIZE", 0, minimum=0, maximum=200)
+if DATABASE_POOL_SIZE:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"]["OPTIONS"]["pool"] = {
+        "min_size": min(2, DATABASE_POOL_SIZE),
+        "max_size": DATABASE_POOL_SIZE,
+        "timeout": env_int("DATABASE_POOL_TIMEOUT", 30, minimum=1),
+    }
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
+# With a pool, Django has the pool check each connection as it hands it out (after a PostgreSQL restart).
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 _redis_url = env_secret("REDIS_URL")
@@ -99,6 +114,16 @@ CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "fleet")
+# Aggregation has a queue of its own, so a closed round is never stuck behind a backlog of verifications;
+# a worker started by the launcher consumes both, and the compose stack can run dedicated aggregators.
+CELERY_AGGREGATION_QUEUE = f"{CELERY_TASK_DEFAULT_QUEUE}.aggregation"
+# Every worker consumes both unless started with -Q.
+CELERY_TASK_QUEUES = (Queue(CELERY_TASK_DEFAULT_QUEUE), Queue(CELERY_AGGREGATION_QUEUE))
+CELERY_TASK_ROUTES = {
+    "training.tasks.aggregate_round": {"queue": CELERY_AGGREGATION_QUEUE},
+    "training.tasks.aggregate_shard": {"queue": CELERY_AGGREGATION_QUEUE},
+    "training.tasks.combine_shards": {"queue": CELERY_AGGREGATION_QUEUE},
+}
 CELERY_CONTROL_EXCHANGE = f"{REDIS_PREFIX}.control"
 CELERY_EVENT_EXCHANGE = f"{REDIS_PREFIX}.events"
 CELERY_TASK_SERIALIZER = "json"
@@ -347,6 +372,14 @@ CELERY_BEAT_SCHEDULE["close-due-rounds"] = {
     "task": "training.tasks.close_due_rounds",
     "schedule": float(ROUND_CHECK_SECONDS),
     "options": {"expires": ROUND_CHECK_SECONDS},
+}
+# A delta still `received` this long after it arrived lost its verification task (a worker or the broker went
+# away before the task was queued or acknowledged); a beat task queues it again.
+DELTA_VERIFY_RESCUE_SECONDS = env_int("DELTA_VERIFY_RESCUE_SECONDS", 300, minimum=10)
+CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
+    "task": "training.tasks.requeue_unverified_deltas",
+    "schedule": float(min(DELTA_VERIFY_RESCUE_SECONDS, 60)),
+    "options": {"expires": 30},
 }
 # Any other request body (adapter imports, base weights) is refused past this, also while streaming.
 MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 600 * 1024 * 1024, minimum=1024 * 1024)

@@ -15,3 +15,20 @@ def device_may_download(device, sha256: str) -> bool:
         return True
     adapters = Adapter.objects.filter(cohorts=device.cohort_id)
     return BaseModel.objects.filter(adapters__in=adapters, weights_sha256=sha256).exists()
+
+
+def deltas_awaiting_rescue(*, limit: int = 5000) -> list[int]:
+    """Ids of deltas still `received` past DELTA_VERIFY_RESCUE_SECONDS: their verification task was lost."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.utils import timezone
+
+    from training.models import Delta
+
+    older_than = timezone.now() - timedelta(seconds=settings.DELTA_VERIFY_RESCUE_SECONDS)
+    return list(
+        Delta.objects.filter(state=Delta.State.RECEIVED, received_at__lt=older_than)
+        .order_by("received_at")
+        .values_list("pk", flat=True)[:limit]
+    )

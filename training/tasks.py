@@ -3,6 +3,7 @@ already handled (every service guards its own state), so a redelivered task (``a
 nothing twice."""
 
 from celery import chord, shared_task
+from django.db import InterfaceError, OperationalError
 
 from training.models import Rollout
 
@@ -24,16 +25,30 @@ def tick_rollouts() -> dict:
     ignore_result=True,
     time_limit=300,
     soft_time_limit=280,
-    autoretry_for=(ConnectionError,),
+    # Redis or PostgreSQL gone for a moment (a restart, "too many clients"): try again; a delta whose every
+    # try failed stays `received` and ``requeue_unverified_deltas`` queues it again later.
+    autoretry_for=(ConnectionError, OperationalError, InterfaceError),
     retry_backoff=2,
+    retry_backoff_max=60,
     retry_jitter=True,
-    max_retries=5,
+    max_retries=8,
 )
 def verify_delta(delta_id: int) -> str | None:
     from training.verification import delta_verify
 
     delta = delta_verify(delta_id=delta_id)
     return delta.state if delta is not None else None
+
+
+@shared_task(name="training.tasks.requeue_unverified_deltas", ignore_result=True, time_limit=60, soft_time_limit=50)
+def requeue_unverified_deltas() -> int:
+    """Queue verification again for deltas left `received` (their task was lost); verifying twice is a no-op."""
+    from training.selectors import deltas_awaiting_rescue
+
+    ids = deltas_awaiting_rescue()
+    for delta_id in ids:
+        verify_delta.delay(delta_id)
+    return len(ids)
 
 
 @shared_task(name="training.tasks.aggregate_round", ignore_result=True, time_limit=3600, soft_time_limit=3500)

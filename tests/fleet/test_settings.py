@@ -4,6 +4,7 @@ import os
 import secrets
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,52 @@ def test_database_url_supports_unix_sockets_and_options():
     assert config["PASSWORD"] == "p@ss"
     assert config["NAME"] == "fleet"
     assert config["OPTIONS"] == {"sslmode": "disable"}
+
+
+def test_server_processes_use_a_bounded_connection_pool_and_others_persistent_connections():
+    """Under ASGI every request runs in a thread of its own, so fleet/asgi.py asks for a pool (Django's
+    advice); a pool of N never opens more than N connections however many threads ask at once."""
+    script = textwrap.dedent(
+        """
+        import os, threading
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
+        import fleet.asgi
+        from django.conf import settings
+        from django.db import connection
+
+        db = settings.DATABASES["default"]
+        print("pool", db["OPTIONS"]["pool"]["max_size"], db["CONN_MAX_AGE"])
+        barrier, pids = threading.Barrier(12), set()
+
+        def work():
+            barrier.wait()
+            with connection.cursor() as cursor:
+                cursor.execute("select pg_backend_pid(), pg_sleep(0.2)")
+                pids.add(cursor.fetchone()[0])
+            connection.close()
+
+        threads = [threading.Thread(target=work) for _ in range(12)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print("backends", len(pids))
+        """
+    )
+    env = {**os.environ, "DATABASE_POOL_SIZE": "3"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")
+    assert lines[0] == "pool 3 0"
+    assert 1 <= int(lines[1].split()[1]) <= 3
+
+    # (Importing fleet.asgi in this test process may have set DATABASE_POOL_SIZE in os.environ.)
+    plain = manage(
+        "shell",
+        "-c",
+        "from django.conf import settings; print(settings.DATABASES['default']['CONN_MAX_AGE'])",
+        DATABASE_POOL_SIZE=None,
+        DATABASE_CONN_MAX_AGE=None,
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip().splitlines()[-1] == "60"

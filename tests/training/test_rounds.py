@@ -178,3 +178,38 @@ def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(traine
     assert refused.value.error_code == "dp_budget_exhausted" and "budget" in refused.value.message
     assert not Round.objects.exists()
     assert TrainingEvent.objects.filter(kind="round.refused", adapter=adapter).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delta_whose_verification_task_was_lost_is_queued_again_and_verified_once(
+    trained, celery_worker_process, monkeypatch, settings
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from training.tasks import requeue_unverified_deltas, verify_delta
+
+    adapter, _, devices = trained
+    # The upload commits but its verification task never reaches the broker (the web process died, or Redis
+    # was away, between the commit and the publish).
+    lost = []
+    with monkeypatch.context() as patch:
+        patch.setattr(verify_delta, "delay", lambda delta_id: lost.append(delta_id))
+        delta = receive(devices[0], adapter, make_delta_tensors(adapter, seed=70), counter=1)
+    assert lost == [delta.pk]
+    recent = receive(devices[1], adapter, make_delta_tensors(adapter, seed=71), counter=1)
+    wait_for(lambda: Delta.objects.get(pk=recent.pk).state != Delta.State.RECEIVED)
+    assert Delta.objects.get(pk=delta.pk).state == Delta.State.RECEIVED
+
+    Delta.objects.filter(pk=delta.pk).update(
+        received_at=timezone.now() - timedelta(seconds=settings.DELTA_VERIFY_RESCUE_SECONDS + 5)
+    )
+    requeue_unverified_deltas.delay()
+    rescued = wait_for(lambda: Delta.objects.exclude(state=Delta.State.RECEIVED).filter(pk=delta.pk).first())
+    assert rescued.state == Delta.State.ACCEPTED and rescued.round_id is not None
+    # Queued again a second time (the beat task runs every minute), it changes nothing.
+    requeue_unverified_deltas.delay()
+    time.sleep(2)
+    assert Delta.objects.filter(state=Delta.State.ACCEPTED).count() == 2
+    assert Delta.objects.get(pk=delta.pk).verified_at == rescued.verified_at
