@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 from devices import presence
+from fleet.async_bridge import run_async
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,10 @@ async def adevice_send(device_id: str, message: dict) -> bool:
 
 
 def device_disconnect(device_id: str, *, code: int, reason: str) -> bool:
-    return async_to_sync(adevice_send)(device_id, {"type": "device.close", "code": code, "reason": reason})
+    return run_async(adevice_send, device_id, {"type": "device.close", "code": code, "reason": reason})
 
 
 def device_command(device_id: str, *, command_id: str, command: str, args: dict | None = None) -> bool:
-    return async_to_sync(adevice_send)(
-        device_id, {"type": "device.command", "id": command_id, "command": command, "args": args or {}}
+    return run_async(
+        adevice_send, device_id, {"type": "device.command", "id": command_id, "command": command, "args": args or {}}
     )

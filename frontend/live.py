@@ -7,17 +7,15 @@ reconnect instead of trusting that they saw every event.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
 from accounts.roles import Role
+from fleet.async_bridge import run_async
 
 DASHBOARD_GROUP = "dashboard"
 logger = logging.getLogger(__name__)
@@ -40,13 +38,9 @@ async def apublish(event: LiveEvent) -> None:
 
 
 def publish(event: LiveEvent) -> None:
-    """From sync code. Inside a thread that runs an event loop (sync code called from async code without a
-    thread hop), ``async_to_sync`` cannot run here, so the event goes out from a short-lived thread."""
+    """From sync code (any thread, also one that runs an event loop): sent on the process's bridge loop,
+    which keeps its Redis connections, so a worker does not connect anew for every event."""
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        async_to_sync(apublish)(event)
-        return
-    sender = threading.Thread(target=async_to_sync(apublish), args=(event,), daemon=True)
-    sender.start()
-    sender.join(timeout=5)
+        run_async(apublish, event, timeout=5)
+    except Exception:  # best effort, as apublish
+        logger.exception("could not publish live event %s", event.kind)

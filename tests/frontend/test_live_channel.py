@@ -62,3 +62,49 @@ def test_publish_from_sync_code_does_not_fail_without_listeners():
     from frontend.live import publish
 
     publish(LiveEvent(kind="nobody.listening", data={}))
+
+
+def test_publish_from_sync_code_reaches_the_dashboard_on_one_long_lived_loop(make_user):
+    """Workers publish from sync code; the events go out on the process's bridge loop (one set of Redis
+    connections for the life of the process), also from a thread that itself runs an event loop."""
+    import asyncio
+    import threading
+
+    from fleet import async_bridge
+    from frontend.live import publish
+
+    cookie = _session_cookie(make_user("viewer"))
+
+    def from_a_thread(kind: str, *, inside_a_loop: bool) -> None:
+        def run():
+            if inside_a_loop:
+                loop = asyncio.new_event_loop()
+                loop.run_until_complete(_call_sync_inside(kind))
+                loop.close()
+            else:
+                publish(LiveEvent(kind=kind, data={}))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(timeout=10)
+
+    async def _call_sync_inside(kind):
+        publish(LiveEvent(kind=kind, data={}))  # sync code called from async code, no thread hop
+
+    async def scenario():
+        communicator, connected, _ = await _connect(cookie)
+        assert connected
+        assert (await communicator.receive_json_from(timeout=5))["kind"] == "hello"
+        await asyncio.to_thread(from_a_thread, "from.worker", inside_a_loop=False)
+        assert (await communicator.receive_json_from(timeout=5))["kind"] == "from.worker"
+        first_loop = async_bridge._loop
+        await asyncio.to_thread(from_a_thread, "from.loop.thread", inside_a_loop=True)
+        assert (await communicator.receive_json_from(timeout=5))["kind"] == "from.loop.thread"
+        for i in range(20):
+            await asyncio.to_thread(publish, LiveEvent(kind=f"n{i}", data={}))
+        kinds = [(await communicator.receive_json_from(timeout=5))["kind"] for _ in range(20)]
+        assert kinds == [f"n{i}" for i in range(20)]
+        assert async_bridge._loop is first_loop and first_loop.is_running()
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
