@@ -139,6 +139,7 @@ def round_admit(*, delta: Delta) -> Round | None:
             return None
         if Delta.objects.filter(pk=delta.pk, round=round_).exists():
             return round_  # adopted while opening
+    round_.adapter = delta.adapter  # the same row, already loaded: the round's live event names it
     Delta.objects.filter(pk=delta.pk).update(round=round_)
     _close_if_due(round_)
     return round_
