@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--wait-idle", type=float, default=0.0, help="before each phase, wait up to this long for a quiet machine"
     )
     parser.add_argument("--profile", action="store_true", help="py-spy the web and worker processes in the window")
+    parser.add_argument(
+        "--profile-waits", action="store_true", help="with --profile: count blocked threads too (py-spy --idle)"
+    )
     parser.add_argument("--server", help="an already running server (http://host:port) instead of starting one")
     parser.add_argument("--admin-token", default=os.environ.get("FLEET_ADMIN_TOKEN"), help="with --server")
     parser.add_argument("--ready-timeout", type=float, default=180.0)
@@ -232,7 +235,9 @@ class Run:
 
         while not stats.recording:  # start with the measured window, end with it
             await asyncio.sleep(0.2)
-        files = await profiling.record(groups(), self.args.duration - 2, PROFILE_DIR / name)
+        files = await profiling.record(
+            groups(), self.args.duration - 2, PROFILE_DIR / name, waits=self.args.profile_waits
+        )
         return {name: profiling.fold(paths) for name, paths in files.items()}
 
     async def baselines(self) -> None:

@@ -11,7 +11,7 @@ protocol (``edge_agent.protocol``, never Django), and the figures they report.
 - ``generator`` / ``connections``: the load-generator processes and the phases of ``agent_connections.py``;
 - ``family``, ``deltas``, ``provision``, ``http_client``, ``ingest_agent``, ``ingest_run``, ``ingest_report``,
   ``echo_server``, ``profiling``: the fleet simulator of ``fleet_simulator.py`` (enrolled agents uploading
-  signed deltas), and ``pooled_settings``, the connection-pool experiment it can run the product with.
+  signed deltas).
 """
 
 from __future__ import annotations

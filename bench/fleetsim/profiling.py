@@ -22,8 +22,11 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-async def record(groups: dict[str, list], seconds: float, folder: Path, rate: int = 97) -> dict[str, list[Path]]:
-    """Sample every process of every group for ``seconds``; the raw files per group."""
+async def record(
+    groups: dict[str, list], seconds: float, folder: Path, rate: int = 97, waits: bool = False
+) -> dict[str, list[Path]]:
+    """Sample every process of every group for ``seconds``; the raw files per group. ``waits``: also the
+    threads blocked in a system call (py-spy ``--idle``), so time spent waiting on PostgreSQL or Redis shows."""
     executable = py_spy()
     if executable is None:
         raise RuntimeError("py-spy is not installed: .venv/bin/pip install py-spy")
@@ -35,6 +38,7 @@ async def record(groups: dict[str, list], seconds: float, folder: Path, rate: in
             out = folder / f"{name}-{process.pid}.txt"
             files.setdefault(name, []).append(out)
             command = [executable, "record", "--nonblocking", "--format", "raw", "-r", str(rate)]
+            command += ["--idle"] if waits else []
             command += ["-d", str(int(seconds)), "-p", str(process.pid), "-o", str(out)]
             runs.append(
                 await asyncio.create_subprocess_exec(
