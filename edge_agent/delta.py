@@ -81,13 +81,13 @@ def read_encoding(metadata: dict[str, str] | None) -> tuple[str, dict[str, float
     """The encoding and int8 scales a delta header declares; ValueError when they are unusable."""
     metadata = metadata or {}
     encoding = metadata.get("encoding", "f32")
-    if encoding not in ENCODINGS:
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
         raise ValueError(f"unknown delta encoding {encoding!r}")
     scales: dict[str, float] = {}
     if encoding == "int8":
         try:
             scales = json.loads(metadata.get("scales", ""))
-        except (TypeError, json.JSONDecodeError):
+        except (TypeError, ValueError, RecursionError):
             raise ValueError("an int8 delta needs a JSON 'scales' object in its metadata") from None
         if not isinstance(scales, dict) or not all(
             isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
@@ -164,9 +164,10 @@ def parse_envelope(candidate: Any) -> dict[str, Any]:
     extra = set(candidate) - set(ENVELOPE_FIELDS) - {"purpose"}
     if extra:
         raise ValueError(f"unexpected envelope fields: {sorted(extra)}")
+    # Printable: no NUL (PostgreSQL text cannot hold it), no control characters, no lone surrogates (not UTF-8).
     checks = {
-        "device_id": lambda v: isinstance(v, str) and 0 < len(v) <= 64,
-        "adapter": lambda v: isinstance(v, str) and 0 < len(v) <= 64,
+        "device_id": lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isprintable(),
+        "adapter": lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isprintable(),
         "base_version": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31,
         "sha256": lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
         "size": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**62,

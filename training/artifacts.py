@@ -40,6 +40,8 @@ def read_header(data: bytes) -> dict[str, dict]:
         header = json.loads(data[8 : 8 + header_size])
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ArtifactRejected("malformed", "the header is not valid JSON") from None
+    except RecursionError:  # deeply nested arrays or objects exhaust the parser before they are found invalid
+        raise ArtifactRejected("malformed", "the header nests too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise ArtifactRejected("malformed", "the header is not a JSON object")
     header.pop("__metadata__", None)
@@ -51,7 +53,7 @@ def read_header(data: bytes) -> dict[str, dict]:
         if not isinstance(entry, dict):
             raise ArtifactRejected("malformed", f"tensor {name!r}: entry is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise ArtifactRejected("malformed", f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ArtifactRejected("malformed", f"tensor {name!r}: shape must be a list of non-negative integers")
@@ -74,10 +76,12 @@ def check_spec(header: dict[str, dict], spec: dict[str, dict]) -> None:
     extra = sorted(set(header) - set(spec))
     if missing or extra:
         parts = []
+        # Names quoted with repr: a hostile file's names may hold NUL or lone surrogates, which a stored detail
+        # cannot (PostgreSQL text, UTF-8).
         if missing:
-            parts.append(f"missing {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+            parts.append(f"missing {', '.join(map(repr, missing[:5]))}{' …' if len(missing) > 5 else ''}")
         if extra:
-            parts.append(f"unexpected {', '.join(extra[:5])}{' …' if len(extra) > 5 else ''}")
+            parts.append(f"unexpected {', '.join(map(repr, extra[:5]))}{' …' if len(extra) > 5 else ''}")
         raise ArtifactRejected("spec_mismatch", "tensor names do not match the adapter: " + "; ".join(parts))
     for name, expected in spec.items():
         actual = header[name]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from training.models import Delta
 
 logger = logging.getLogger(__name__)
 MAX_STAGED_PER_DEVICE = 4
+_SIGNATURE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # base64url, as the device sends it
 
 
 class UploadRefused(Exception):
@@ -94,7 +97,7 @@ def _parse(device, envelope, signature) -> dict:
         envelope = parse_envelope(envelope)
     except ValueError as exc:
         raise UploadRefused("malformed_envelope", str(exc)) from None
-    if not isinstance(signature, str) or not 0 < len(signature) <= 128:
+    if not isinstance(signature, str) or not _SIGNATURE.fullmatch(signature):
         raise UploadRefused("malformed_envelope", "the upload needs the envelope's signature (base64url)")
     if envelope["device_id"] != str(device.pk):
         raise UploadRefused("wrong_device", "the envelope names another device; a device uploads only as itself", 403)
@@ -139,9 +142,20 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
 
 
 def _metrics(metrics) -> dict:
+    """What of the device's training metrics can be kept: numbers and short texts, nothing a JSONB column
+    refuses (NaN, infinities, NUL, lone surrogates)."""
     if not isinstance(metrics, dict) or len(json.dumps(metrics, default=str)) > 2000:
         return {}
-    return {str(k)[:40]: v for k, v in metrics.items() if isinstance(v, int | float | str) and not isinstance(v, bool)}
+    return {
+        str(k)[:40]: v
+        for k, v in metrics.items()
+        if str(k).isprintable()
+        and (
+            (isinstance(v, int) and not isinstance(v, bool))
+            or (isinstance(v, float) and math.isfinite(v))
+            or (isinstance(v, str) and v.isprintable())
+        )
+    }
 
 
 def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str) -> UploadState:

@@ -87,11 +87,15 @@ class DeviceDeltaView(APIView):
     )
     def put(self, request, sha256: str):
         device = self._device(request, sha256)
+        # RecursionError: a deeply nested JSON value exhausts the parser's stack before it is found invalid.
         try:
             envelope = json.loads(b64decode(request.headers.get("X-Delta-Envelope", "")))
-            metrics = json.loads(request.headers.get("X-Delta-Metrics") or "{}")
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             raise ApiError("malformed_envelope", "X-Delta-Envelope must be base64url of a JSON object") from None
+        try:
+            metrics = json.loads(request.headers.get("X-Delta-Metrics") or "{}")
+        except (ValueError, RecursionError):
+            raise ApiError("malformed_envelope", "X-Delta-Metrics must be valid JSON") from None
         if not isinstance(envelope, dict) or envelope.get("sha256") != sha256:
             raise ApiError("malformed_envelope", "the envelope's sha256 must be the one in the URL")
         start = 0
