@@ -7,6 +7,7 @@ request, so quarantining a device cuts its token too.
 
 from __future__ import annotations
 
+import re
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from edge_agent.protocol import b64encode, public_key_from_b64, token_request_pa
 
 TOKEN_SALT = "devices.device-token"  # noqa: S105  (a signing namespace, not a secret)
 NONCE_TTL_SECONDS = 60
+_NONCE = re.compile(r"[A-Za-z0-9_-]{43}")  # what new_nonce makes: 32 bytes, base64url without padding
 
 
 def new_nonce() -> str:
@@ -88,6 +90,8 @@ def rest_token_issue(*, device_id, nonce, signature) -> DeviceToken:
     """Spend a nonce (once) and, if the device signed it, issue a short-lived token."""
     if not isinstance(nonce, str) or not nonce:
         raise DeviceAuthFailed("malformed", "nonce is required.", status_code=400)
+    if not _NONCE.fullmatch(nonce):  # not one we issued: no need to look, nor to build a cache key from it
+        raise DeviceAuthFailed("nonce_invalid", "Unknown, expired or already used nonce.", status_code=401)
     owner = cache.get(f"devauth:nonce:{nonce}")
     if owner is None or not cache.delete(f"devauth:nonce:{nonce}"):
         raise DeviceAuthFailed("nonce_invalid", "Unknown, expired or already used nonce.", status_code=401)

@@ -100,7 +100,8 @@ def parse_heartbeat(message: dict) -> dict:
         not isinstance(free_memory, int) or isinstance(free_memory, bool) or free_memory < 0
     ):
         raise ValueError("free_memory_mb must be a non-negative integer, or null")
-    metrics = message.get("metrics") or {}
+    metrics = message.get("metrics")
+    metrics = {} if metrics is None else metrics
     if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
         raise ValueError(f"metrics must be an object of at most {MAX_METRICS} numbers")
     for name, value in metrics.items():

@@ -267,12 +267,14 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "fleet.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": [
-        "django_filters.rest_framework.DjangoFilterBackend",
+        "fleet.api.filters.FilterBackend",
         "rest_framework.filters.SearchFilter",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "fleet.api.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "fleet.api.errors.exception_handler",
+    # A JSON API: forms cannot carry its nested fields. The two upload endpoints take multipart themselves.
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
     + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
     "DEFAULT_THROTTLE_RATES": {"anon": "120/min", "user": "2000/min"},

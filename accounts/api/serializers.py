@@ -3,9 +3,16 @@ from rest_framework import serializers
 
 from accounts.models import ApiToken, User
 from accounts.roles import Role, role_of
+from fleet.api.serializers import StrictTypesMixin
+
+
+def _email_field() -> serializers.CharField:
+    # A plain string, not format "email": an account without an address has "".
+    return serializers.CharField(read_only=True, help_text="Empty when the account has no address.")
 
 
 class MeSerializer(serializers.ModelSerializer):
+    email = _email_field()
     effective_role = serializers.SerializerMethodField()
 
     class Meta:
@@ -16,19 +23,25 @@ class MeSerializer(serializers.ModelSerializer):
         return role_of(user).value
 
 
-class UserSerializer(serializers.ModelSerializer):
+class UserSerializer(StrictTypesMixin, serializers.ModelSerializer):
+    email = _email_field()
+
     class Meta:
         model = User
         fields = ["id", "username", "email", "role", "is_active", "date_joined", "last_login"]
         read_only_fields = ["id", "username", "email", "date_joined", "last_login"]
 
 
-class UserCreateSerializer(serializers.Serializer):
+class UserCreateSerializer(StrictTypesMixin, serializers.Serializer):
     username = serializers.RegexField(r"^[\w.@+-]{1,150}$")
     email = serializers.EmailField(required=False, default="")
     role = serializers.ChoiceField(choices=Role.choices)
     password = serializers.CharField(
-        write_only=True, required=False, allow_blank=False, style={"input_type": "password"}
+        write_only=True,
+        required=False,
+        allow_blank=False,
+        trim_whitespace=False,  # a password is kept as typed (as Django's own forms do)
+        style={"input_type": "password"},
     )
 
     def validate_username(self, value):
@@ -52,7 +65,7 @@ class ApiTokenSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ApiTokenCreateSerializer(serializers.Serializer):
+class ApiTokenCreateSerializer(StrictTypesMixin, serializers.Serializer):
     name = serializers.CharField(max_length=100)
     expires_at = serializers.DateTimeField(required=False, allow_null=True)
     user = serializers.SlugRelatedField(

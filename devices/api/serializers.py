@@ -1,19 +1,26 @@
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken
+from devices.presence import MAX_METRICS
+from fleet.api.serializers import StrictTypesMixin
 
 
-class CohortSerializer(serializers.ModelSerializer):
-    device_count = serializers.IntegerField(read_only=True, required=False)
+class CohortSerializer(StrictTypesMixin, serializers.ModelSerializer):
+    device_count = serializers.SerializerMethodField()
 
     class Meta:
         model = Cohort
         fields = ["id", "name", "description", "created_at", "device_count"]
         read_only_fields = ["id", "created_at", "device_count"]
 
+    def get_device_count(self, cohort) -> int:
+        count = getattr(cohort, "device_count", None)  # annotated by the view's queryset; not on a new cohort
+        return cohort.devices.count() if count is None else count
 
-class EnrollmentTokenSerializer(serializers.ModelSerializer):
+
+class EnrollmentTokenSerializer(StrictTypesMixin, serializers.ModelSerializer):
     cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
     usable = serializers.SerializerMethodField()
@@ -68,8 +75,21 @@ class VersionRefSerializer(serializers.Serializer):
     number = serializers.IntegerField()
 
 
-class DeviceSerializer(serializers.ModelSerializer):
+@extend_schema_field(
+    {
+        "type": "object",
+        "additionalProperties": {"type": "string", "maxLength": 128},
+        "maxProperties": 32,
+        "description": "Label names (at most 64 characters) to strings.",
+    }
+)
+class LabelsField(serializers.JSONField):
+    """A device's labels; DeviceSerializer.validate_labels holds them to the documented shape."""
+
+
+class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
     cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
+    labels = LabelsField(required=False)
     running_version = VersionRefSerializer(read_only=True, allow_null=True)
     desired_version = VersionRefSerializer(read_only=True, allow_null=True)
 
@@ -115,16 +135,33 @@ class DeviceDetailSerializer(DeviceSerializer):
         return DeviceEventSerializer(device.events.all()[:25], many=True).data
 
 
-class DeviceActionSerializer(serializers.Serializer):
+class DeviceActionSerializer(StrictTypesMixin, serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
 
 
-class EnrollRequestSerializer(serializers.Serializer):
+@extend_schema_field({"type": "string", "pattern": "^[A-Za-z0-9_-]{43}=?$"})
+class PublicKeyField(serializers.CharField):
+    """Documented as the 32 bytes in base64url it must be; device_enroll checks it (invalid_public_key)."""
+
+
+@extend_schema_field({"type": "object", "maxProperties": 16})
+class HardwareField(serializers.DictField):
+    pass
+
+
+@extend_schema_field(
+    {"type": "object", "additionalProperties": {"type": "string", "maxLength": 128}, "maxProperties": 32}
+)
+class EnrollLabelsField(serializers.DictField):
+    child = serializers.CharField(max_length=128, allow_blank=True)  # as DeviceSerializer.validate_labels allows
+
+
+class EnrollRequestSerializer(StrictTypesMixin, serializers.Serializer):
     token = serializers.CharField(max_length=200)
-    public_key = serializers.CharField(max_length=64, help_text="Ed25519 public key, base64url (32 bytes)")
+    public_key = PublicKeyField(max_length=64, help_text="Ed25519 public key, base64url (32 bytes)")
     name = serializers.CharField(max_length=100)
-    hardware = serializers.DictField(required=False, default=dict)
-    labels = serializers.DictField(child=serializers.CharField(max_length=128), required=False, default=dict)
+    hardware = HardwareField(required=False, default=dict)
+    labels = EnrollLabelsField(required=False, default=dict)
     agent_version = serializers.CharField(max_length=32, required=False, default="", allow_blank=True)
 
     def validate_hardware(self, value):
@@ -147,7 +184,7 @@ class EnrollResponseSerializer(serializers.Serializer):
     heartbeat_interval = serializers.IntegerField()
 
 
-class ChallengeRequestSerializer(serializers.Serializer):
+class ChallengeRequestSerializer(StrictTypesMixin, serializers.Serializer):
     device_id = serializers.UUIDField()
 
 
@@ -156,7 +193,7 @@ class ChallengeResponseSerializer(serializers.Serializer):
     expires_in = serializers.IntegerField()
 
 
-class TokenRequestSerializer(serializers.Serializer):
+class TokenRequestSerializer(StrictTypesMixin, serializers.Serializer):
     device_id = serializers.UUIDField()
     nonce = serializers.CharField(max_length=128)
     signature = serializers.CharField(max_length=128)
@@ -167,9 +204,17 @@ class TokenResponseSerializer(serializers.Serializer):
     expires_in = serializers.IntegerField()
 
 
+@extend_schema_field({"type": "object", "additionalProperties": {"type": "number"}, "maxProperties": MAX_METRICS})
+class HeartbeatMetricsField(serializers.DictField):
+    child = serializers.FloatField()
+
+
+# Documents the body devices.presence.parse_heartbeat reads (the socket's heartbeat has the same fields).
 class DeviceHeartbeatSerializer(serializers.Serializer):
     seq = serializers.IntegerField(min_value=0)
     battery = serializers.FloatField(min_value=0, max_value=100, required=False, allow_null=True)
     charging = serializers.BooleanField(required=False, allow_null=True)
     free_memory_mb = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    metrics = serializers.DictField(child=serializers.FloatField(), required=False, default=dict)
+    metrics = HeartbeatMetricsField(
+        required=False, allow_null=True, help_text="Metric names (at most 64 characters) to finite numbers."
+    )

@@ -5,7 +5,7 @@ import uuid
 import django_filters
 from django.conf import settings
 from django.db.models import Count
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -42,10 +42,12 @@ from devices.services import (
     enrollment_token_revoke,
 )
 from edge_agent.protocol import AGENT_WS_PATH
-from fleet.api.errors import ApiError
+from fleet.api.errors import ApiError, ErrorBodySerializer
+from fleet.api.filters import FilterSet, StrictBooleanFilter
 from fleet.server_key import server_public_key_b64
 
 
+@extend_schema_view(destroy=extend_schema(responses={204: None, 409: ErrorBodySerializer}))
 class CohortViewSet(viewsets.ModelViewSet):
     """Cohorts: named groups of devices. Admins change them; a cohort with devices cannot be deleted."""
 
@@ -92,10 +94,10 @@ class EnrollmentTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, v
         return Response(EnrollmentTokenSerializer(enrollment_token_revoke(token=self.get_object())).data)
 
 
-class DeviceFilter(django_filters.FilterSet):
+class DeviceFilter(FilterSet):
     cohort = django_filters.CharFilter(field_name="cohort__name")
     status = django_filters.MultipleChoiceFilter(choices=DeviceStatus.choices)
-    online = django_filters.BooleanFilter()
+    online = StrictBooleanFilter()
     agent_version = django_filters.CharFilter()
     label = django_filters.CharFilter(method="filter_label", help_text="`key` (has the label) or `key=value`")
 
@@ -108,6 +110,10 @@ class DeviceFilter(django_filters.FilterSet):
         if sep:
             return queryset.filter(labels__contains={label: wanted})
         return queryset.filter(labels__has_key=label)
+
+
+# A transition the device's status does not allow (approving an active device) is a 409.
+_TRANSITION_RESPONSES = {200: DeviceDetailSerializer, 409: ErrorBodySerializer}
 
 
 class DeviceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -149,27 +155,27 @@ class DeviceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         )
         return Response(DeviceDetailSerializer(device).data)
 
-    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @extend_schema(request=DeviceActionSerializer, responses=_TRANSITION_RESPONSES)
     @action(detail=True, methods=["post"])
     def approve(self, request, pk=None):
         return self._transition(request, "approve")
 
-    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @extend_schema(request=DeviceActionSerializer, responses=_TRANSITION_RESPONSES)
     @action(detail=True, methods=["post"])
     def reject(self, request, pk=None):
         return self._transition(request, "reject")
 
-    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @extend_schema(request=DeviceActionSerializer, responses=_TRANSITION_RESPONSES)
     @action(detail=True, methods=["post"], write_role=Role.OPERATOR)
     def quarantine(self, request, pk=None):
         return self._transition(request, "quarantine")
 
-    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @extend_schema(request=DeviceActionSerializer, responses=_TRANSITION_RESPONSES)
     @action(detail=True, methods=["post"], write_role=Role.OPERATOR)
     def reactivate(self, request, pk=None):
         return self._transition(request, "reactivate")
 
-    @extend_schema(request=DeviceActionSerializer, responses=DeviceDetailSerializer)
+    @extend_schema(request=DeviceActionSerializer, responses=_TRANSITION_RESPONSES)
     @action(detail=True, methods=["post"])
     def retire(self, request, pk=None):
         return self._transition(request, "retire")
@@ -198,7 +204,10 @@ class _PublicDeviceEndpoint(APIView):
 class EnrollView(_PublicDeviceEndpoint):
     """A device joins the fleet with an enrollment token and its Ed25519 public key."""
 
-    @extend_schema(request=EnrollRequestSerializer, responses={201: EnrollResponseSerializer})
+    @extend_schema(
+        request=EnrollRequestSerializer,
+        responses={201: EnrollResponseSerializer, 401: ErrorBodySerializer, 409: ErrorBodySerializer},
+    )
     def post(self, request):
         data = EnrollRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -228,7 +237,10 @@ class DeviceChallengeView(_PublicDeviceEndpoint):
 class DeviceTokenView(_PublicDeviceEndpoint):
     """Step 2: the nonce signed with the device key, exchanged for a short-lived `Device` token."""
 
-    @extend_schema(request=TokenRequestSerializer, responses=TokenResponseSerializer)
+    @extend_schema(
+        request=TokenRequestSerializer,
+        responses={200: TokenResponseSerializer, 401: ErrorBodySerializer, 403: ErrorBodySerializer},
+    )
     def post(self, request):
         data = TokenRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)

@@ -10,8 +10,9 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404, JsonResponse
-from rest_framework import exceptions, status
+from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 
 
 class ApiError(exceptions.APIException):
@@ -23,6 +24,18 @@ class ApiError(exceptions.APIException):
         self.error_code = code
         self.message = message
         self.details = details or {}
+
+
+class ErrorSerializer(serializers.Serializer):
+    code = serializers.CharField(help_text="Stable and machine-readable, e.g. `invalid` or `not_found`.")
+    message = serializers.CharField()
+    details = serializers.DictField(help_text="Field errors or context; empty when there is none.")
+
+
+class ErrorBodySerializer(serializers.Serializer):
+    """The body of every API error (see ``error_body``)."""
+
+    error = ErrorSerializer()
 
 
 def error_body(code: str, message: str, details: Any = None) -> dict:
@@ -55,7 +68,9 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         response.data = error_body(exc.error_code, exc.message, exc.details)
         return response
     if isinstance(exc, exceptions.ValidationError):
-        response.data = error_body("invalid", "The request has invalid fields.", exc.detail)
+        # ``details`` is always an object: an error that names no field (a bare list) goes under non_field_errors.
+        details = exc.detail if isinstance(exc.detail, dict) else {api_settings.NON_FIELD_ERRORS_KEY: exc.detail}
+        response.data = error_body("invalid", "The request has invalid fields.", details)
         return response
 
     code = exc.get_codes() if isinstance(exc, exceptions.APIException) else "error"

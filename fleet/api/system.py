@@ -12,7 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.roles import Role
-from fleet.api.errors import error_body
+from fleet.api.errors import ErrorBodySerializer, error_body
 from fleet.health import readiness
 from fleet.tasks import system_diagnostic
 
@@ -50,7 +50,8 @@ class WorkerDiagnosticView(APIView):
                     "database": serializers.CharField(),
                     "redis": serializers.CharField(),
                 },
-            )
+            ),
+            504: ErrorBodySerializer,
         },
     )
     def post(self, request):

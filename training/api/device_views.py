@@ -43,6 +43,7 @@ class DeviceBlobView(APIView):
         responses={
             (200, "application/octet-stream"): OpenApiResponse(description="the whole file"),
             (206, "application/octet-stream"): OpenApiResponse(description="the requested range"),
+            416: OpenApiResponse(description="the range is not in the file (Content-Range names its size)"),
         }
     )
     def get(self, request, sha256: str):

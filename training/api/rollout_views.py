@@ -9,6 +9,7 @@ from rest_framework.views import APIView
 
 from accounts.roles import Role
 from devices.authentication import DeviceTokenAuthentication, IsDevice
+from fleet.api.errors import ErrorBodySerializer
 from training.api.rollout_serializers import (
     AssignmentReportSerializer,
     AssignmentSerializer,
@@ -29,6 +30,10 @@ from training.rollouts import (
 )
 
 _COUNTS = {state: Count("assignments", filter=Q(assignments__state=state)) for state in Assignment.State.values}
+
+
+# An action the rollout's state does not allow (resuming an aborted rollout) is a 409.
+_ACTION_RESPONSES = {200: RolloutDetailSerializer, 409: ErrorBodySerializer}
 
 
 class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -58,7 +63,7 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         (rollout,) = self._with_counts([self.get_object()])
         return Response(RolloutDetailSerializer(rollout).data)
 
-    @extend_schema(request=RolloutSerializer, responses={201: RolloutSerializer})
+    @extend_schema(request=RolloutSerializer, responses={201: RolloutSerializer, 409: ErrorBodySerializer})
     def create(self, request):
         data = RolloutSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -82,27 +87,27 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         (rollout,) = self._with_counts([self.get_queryset().get(pk=self.kwargs["pk"])])
         return Response(RolloutDetailSerializer(rollout).data)
 
-    @extend_schema(request=RolloutActionSerializer, responses=RolloutDetailSerializer)
+    @extend_schema(request=RolloutActionSerializer, responses=_ACTION_RESPONSES)
     @action(detail=True, methods=["post"])
     def start(self, request, pk=None):
         return self._act(request, rollout_start)
 
-    @extend_schema(request=RolloutActionSerializer, responses=RolloutDetailSerializer)
+    @extend_schema(request=RolloutActionSerializer, responses=_ACTION_RESPONSES)
     @action(detail=True, methods=["post"])
     def pause(self, request, pk=None):
         return self._act(request, rollout_pause)
 
-    @extend_schema(request=RolloutActionSerializer, responses=RolloutDetailSerializer)
+    @extend_schema(request=RolloutActionSerializer, responses=_ACTION_RESPONSES)
     @action(detail=True, methods=["post"])
     def resume(self, request, pk=None):
         return self._act(request, rollout_resume)
 
-    @extend_schema(request=RolloutActionSerializer, responses=RolloutDetailSerializer)
+    @extend_schema(request=RolloutActionSerializer, responses=_ACTION_RESPONSES)
     @action(detail=True, methods=["post"])
     def abort(self, request, pk=None):
         return self._act(request, rollout_abort)
 
-    @extend_schema(request=RolloutActionSerializer, responses=RolloutDetailSerializer)
+    @extend_schema(request=RolloutActionSerializer, responses=_ACTION_RESPONSES)
     @action(detail=True, methods=["post"])
     def rollback(self, request, pk=None):
         return self._act(request, rollout_rollback)
@@ -138,7 +143,7 @@ class DeviceAssignmentReportView(APIView):
     authentication_classes = [DeviceTokenAuthentication]
     permission_classes = [IsDevice]
 
-    @extend_schema(request=AssignmentReportSerializer, responses=AssignmentSerializer)
+    @extend_schema(request=AssignmentReportSerializer, responses={200: AssignmentSerializer, 409: ErrorBodySerializer})
     def post(self, request, assignment_id: int):
         data = AssignmentReportSerializer(data=request.data)
         data.is_valid(raise_exception=True)

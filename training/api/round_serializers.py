@@ -1,5 +1,6 @@
 from rest_framework import serializers
 
+from fleet.api.serializers import JsonObjectField, StrictTypesMixin
 from training.aggregation_settings import validate_aggregation, validate_dp
 from training.models import Adapter, Delta, Round
 
@@ -73,16 +74,16 @@ class RoundSerializer(serializers.ModelSerializer):
         return version.number if version is not None else None
 
 
-class RoundOpenSerializer(serializers.Serializer):
+class RoundOpenSerializer(StrictTypesMixin, serializers.Serializer):
     adapter = serializers.SlugRelatedField(slug_field="name", queryset=Adapter.objects.all())
     buffer_size = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     min_deltas = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     timeout_seconds = serializers.IntegerField(min_value=1, max_value=30 * 24 * 3600, required=False)
 
 
-class AggregationConfigSerializer(serializers.Serializer):
-    aggregation = serializers.JSONField(required=False, help_text="strategy and its parameters (only what changes)")
-    dp = serializers.JSONField(required=False, help_text="server-side DP settings and epsilon budget")
+class AggregationConfigSerializer(StrictTypesMixin, serializers.Serializer):
+    aggregation = JsonObjectField(required=False, help_text="strategy and its parameters (only what changes)")
+    dp = JsonObjectField(required=False, help_text="server-side DP settings and epsilon budget")
 
     def validate_aggregation(self, value):
         if not isinstance(value, dict):

@@ -1,6 +1,8 @@
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from devices.models import Cohort
+from fleet.api.serializers import JsonObjectField, StrictTypesMixin
 from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
 
 
@@ -20,10 +22,10 @@ class BaseModelSerializer(serializers.ModelSerializer):
         read_only_fields = ["id", "weights_sha256", "weights_size", "parameter_count", "created_at"]
 
 
-class BaseModelCreateSerializer(serializers.Serializer):
+class BaseModelCreateSerializer(StrictTypesMixin, serializers.Serializer):
     name = serializers.SlugField(max_length=64)
     family = serializers.CharField(max_length=200, help_text="`digits-cnn` or `package.module:attribute`")
-    family_config = serializers.JSONField(required=False, default=dict)
+    family_config = JsonObjectField(required=False, default=dict)
     weights = serializers.FileField(required=False, help_text="safetensors; omit to store the family's seeded init")
 
     def validate_name(self, value):
@@ -37,9 +39,17 @@ class BaseModelCreateSerializer(serializers.Serializer):
         return value
 
 
-class AdapterSerializer(serializers.ModelSerializer):
+@extend_schema_field({"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 64})
+class ModuleNamesField(serializers.JSONField):
+    """Module names, checked by AdapterSerializer._names."""
+
+
+class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
     base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
     cohorts = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all(), many=True, required=False)
+    target_modules = ModuleNamesField(required=False, help_text="Omit for the family's default targets.")
+    modules_to_save = ModuleNamesField(required=False, help_text="Omit for the family's default.")
+    aggregation = JsonObjectField(required=False, help_text="strategy name and parameters")
     latest_version = serializers.SerializerMethodField()
 
     class Meta:
@@ -64,8 +74,6 @@ class AdapterSerializer(serializers.ModelSerializer):
             "rank": {"min_value": 1, "max_value": 256},
             "alpha": {"min_value": 0.0},
             "dropout": {"min_value": 0.0, "max_value": 0.9},
-            "target_modules": {"required": False},
-            "modules_to_save": {"required": False},
         }
 
     def get_latest_version(self, adapter) -> int | None:
@@ -114,18 +122,18 @@ class AdapterVersionSerializer(serializers.ModelSerializer):
         return version.parent.number if version.parent_id else None
 
 
-class SeedVersionSerializer(serializers.Serializer):
+class SeedVersionSerializer(StrictTypesMixin, serializers.Serializer):
     seed = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
     note = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
 
 
-class ImportVersionSerializer(serializers.Serializer):
+class ImportVersionSerializer(serializers.Serializer):  # multipart only: every value is a string
     adapter_model = serializers.FileField(help_text="adapter_model.safetensors (PEFT key names)")
     adapter_config = serializers.FileField(required=False, help_text="adapter_config.json, checked when given")
     note = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
 
 
-class VersionActionSerializer(serializers.Serializer):
+class VersionActionSerializer(StrictTypesMixin, serializers.Serializer):
     reason = serializers.CharField(max_length=500, required=False, default="", allow_blank=True)
 
 

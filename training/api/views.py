@@ -7,11 +7,11 @@ from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.response import Response
 
 from accounts.roles import Role
-from fleet.api.errors import ApiError
+from fleet.api.errors import ApiError, ErrorBodySerializer
 from training.api.serializers import (
     AdapterSerializer,
     AdapterVersionSerializer,
@@ -47,10 +47,10 @@ class BaseModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewset
     write_role = Role.ADMIN
     queryset = BaseModel.objects.all()
     serializer_class = BaseModelSerializer
-    parser_classes = [JSONParser, MultiPartParser, FormParser]
+    parser_classes = [JSONParser, MultiPartParser]  # multipart for the weights file
     search_fields = ["name", "family"]
 
-    @extend_schema(request=BaseModelCreateSerializer, responses={201: BaseModelSerializer})
+    @extend_schema(request=BaseModelCreateSerializer, responses={201: BaseModelSerializer, 413: ErrorBodySerializer})
     def create(self, request):
         data = BaseModelCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -113,7 +113,10 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         version = version_create_seeded(adapter=self.get_object(), actor=request.user, **data.validated_data)
         return Response(AdapterVersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request={"multipart/form-data": ImportVersionSerializer}, responses={201: AdapterVersionSerializer})
+    @extend_schema(
+        request={"multipart/form-data": ImportVersionSerializer},
+        responses={201: AdapterVersionSerializer, 413: ErrorBodySerializer},
+    )
     @action(
         detail=True,
         methods=["post"],
@@ -157,12 +160,12 @@ class AdapterVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, vi
         )
         return Response(AdapterVersionSerializer(version).data)
 
-    @extend_schema(request=VersionActionSerializer, responses=AdapterVersionSerializer)
+    @extend_schema(request=VersionActionSerializer, responses={200: AdapterVersionSerializer, 409: ErrorBodySerializer})
     @action(detail=True, methods=["post"])
     def release(self, request, pk=None):
         return self._transition(request, "release")
 
-    @extend_schema(request=VersionActionSerializer, responses=AdapterVersionSerializer)
+    @extend_schema(request=VersionActionSerializer, responses={200: AdapterVersionSerializer, 409: ErrorBodySerializer})
     @action(detail=True, methods=["post"])
     def revoke(self, request, pk=None):
         return self._transition(request, "revoke")
