@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import django_filters
 from django.conf import settings
 from django.db.models import Count, Q
 from drf_spectacular.types import OpenApiTypes
@@ -18,7 +19,8 @@ from rest_framework.views import APIView
 from accounts.roles import Role
 from devices.authentication import DeviceTokenAuthentication, IsDevice
 from edge_agent.protocol import b64decode
-from fleet.api.errors import ApiError
+from fleet.api.errors import ApiError, ErrorBodySerializer
+from fleet.api.filters import FilterSet
 from training.api.round_serializers import (
     AggregationConfigSerializer,
     DeltaSerializer,
@@ -155,7 +157,7 @@ class RoundViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
     def get_queryset(self):
         return _round_queryset()
 
-    @extend_schema(request=RoundOpenSerializer, responses={201: RoundSerializer})
+    @extend_schema(request=RoundOpenSerializer, responses={201: RoundSerializer, 409: ErrorBodySerializer})
     def create(self, request):
         data = RoundOpenSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -163,17 +165,28 @@ class RoundViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
         round_ = round_open(adapter=fields.pop("adapter"), actor=request.user, **fields)
         return Response(RoundSerializer(_round_queryset().get(pk=round_.pk)).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=None, responses=RoundSerializer)
+    @extend_schema(request=None, responses={200: RoundSerializer, 409: ErrorBodySerializer})
     @action(detail=True, methods=["post"])
     def close(self, request, pk=None):
         round_ = round_close(round_=self.get_object(), actor=request.user)
         return Response(RoundSerializer(_round_queryset().get(pk=round_.pk)).data)
 
-    @extend_schema(request=None, responses=RoundSerializer)
+    @extend_schema(request=None, responses={200: RoundSerializer, 409: ErrorBodySerializer})
     @action(detail=True, methods=["post"])
     def rerun(self, request, pk=None):
         round_ = round_rerun(round_=self.get_object(), actor=request.user)
         return Response(RoundSerializer(_round_queryset().get(pk=round_.pk)).data)
+
+
+class DeltaFilter(FilterSet):
+    # By id, not by looking the round or device up first: an id that matches nothing lists nothing (a 400 would
+    # say the query is malformed, and a deleted round's id is not).
+    round = django_filters.NumberFilter(field_name="round_id")
+    device = django_filters.UUIDFilter(field_name="device_id")
+
+    class Meta:
+        model = Delta
+        fields = ["state", "rejection_code", "round", "device", "adapter_name", "channel"]
 
 
 class DeltaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -182,7 +195,7 @@ class DeltaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
     read_role = Role.VIEWER
     serializer_class = DeltaSerializer
     queryset = Delta.objects.select_related("device").order_by("-received_at", "-id")
-    filterset_fields = ["state", "rejection_code", "round", "device", "adapter_name", "channel"]
+    filterset_class = DeltaFilter
     search_fields = ["sha256", "device__name"]
 
 
