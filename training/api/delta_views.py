@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 
-import django_filters
 from django.conf import settings
 from django.db.models import Count, Q
 from drf_spectacular.types import OpenApiTypes
@@ -20,7 +19,6 @@ from accounts.roles import Role
 from devices.authentication import DeviceTokenAuthentication, IsDevice
 from edge_agent.protocol import b64decode
 from fleet.api.errors import ApiError, ErrorBodySerializer
-from fleet.api.filters import FilterSet
 from training.api.round_serializers import (
     AggregationConfigSerializer,
     DeltaSerializer,
@@ -178,24 +176,13 @@ class RoundViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
         return Response(RoundSerializer(_round_queryset().get(pk=round_.pk)).data)
 
 
-class DeltaFilter(FilterSet):
-    # By id, not by looking the round or device up first: an id that matches nothing lists nothing (a 400 would
-    # say the query is malformed, and a deleted round's id is not).
-    round = django_filters.NumberFilter(field_name="round_id")
-    device = django_filters.UUIDFilter(field_name="device_id")
-
-    class Meta:
-        model = Delta
-        fields = ["state", "rejection_code", "round", "device", "adapter_name", "channel"]
-
-
 class DeltaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Every upload with its verification result (rejected ones are kept, with the reason)."""
 
     read_role = Role.VIEWER
     serializer_class = DeltaSerializer
     queryset = Delta.objects.select_related("device").order_by("-received_at", "-id")
-    filterset_class = DeltaFilter
+    filterset_fields = ["state", "rejection_code", "round", "device", "adapter_name", "channel"]
     search_fields = ["sha256", "device__name"]
 
 
