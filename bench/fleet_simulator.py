@@ -43,7 +43,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -60,7 +59,6 @@ from bench.fleetsim.provision import local_tensor_spec  # noqa: E402
 from bench.fleetsim.resources import (  # noqa: E402
     listening_tree,
     processes_named,
-    raise_open_file_limit,
     wait_for_quiet_machine,
 )
 
@@ -456,20 +454,9 @@ async def run(args: argparse.Namespace, command_line: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.fleetsim.loop_health import run_loop
+    from bench.fleetsim.loop_health import run_main
 
-    args = parse_args(argv)
-    command_line = shlex.join([Path(sys.executable).as_posix(), *sys.argv])
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    raise_open_file_limit()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    outcome: list[int] = []
-
-    async def body() -> None:
-        outcome.append(await run(args, command_line))
-
-    run_loop(body())
-    return outcome[0] if outcome else 1
+    return run_main(run, parse_args(argv))
 
 
 if __name__ == "__main__":

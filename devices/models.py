@@ -140,3 +140,26 @@ class DeviceEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.device_id} by {self.actor_label}"
+
+
+class ServerKeyRotation(models.Model):
+    """One link of the server signing key's chain: ``statement`` (``edge_agent.manifest.ROTATION_FIELDS``)
+    signed by the key it retires and by the key it introduces. Devices that pinned an older key follow the
+    chain to the current one (``fleet.server_key.key_rotations``); rows are never edited or deleted."""
+
+    seq = models.PositiveIntegerField(unique=True)
+    old_public_key = models.CharField(max_length=64, unique=True)
+    new_public_key = models.CharField(max_length=64, unique=True)
+    statement = models.JSONField()
+    signature = models.CharField(max_length=128, help_text="by the retired key")
+    new_signature = models.CharField(max_length=128, help_text="by the new key")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["seq"]
+
+    def __str__(self) -> str:
+        return f"rotation #{self.seq}: {self.old_public_key} -> {self.new_public_key}"
+
+    def as_link(self) -> dict:
+        return {"statement": self.statement, "signature": self.signature, "new_signature": self.new_signature}

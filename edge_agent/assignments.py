@@ -18,7 +18,7 @@ from pathlib import Path
 
 from edge_agent.download import DownloadError, download
 from edge_agent.identity import AgentState, atomic_write
-from edge_agent.manifest import ManifestRefused, verify_manifest
+from edge_agent.manifest import ManifestRefused, trusted_server_key, verify_manifest
 from edge_agent.rest import DeviceSession, ServerError
 
 logger = logging.getLogger("edge_agent.assignments")
@@ -73,6 +73,15 @@ class AssignmentHandler:
         except (ServerError, OSError) as error:
             logger.warning("could not report %s for assignment %s: %s", status, assignment_id, error)
 
+    def _pin_server_key(self, server_key: str) -> None:
+        """Trust the rotated server key from now on (it signed a manifest that passed every check, and each
+        link to it was signed by the key trusted before); the retired key is refused from here on."""
+        logger.warning(
+            "the server rotated its signing key: now trusting %s (was %s)", server_key, self.state.server_public_key
+        )
+        self.state.server_public_key = server_key
+        self.state.save(self.home)
+
     def apply(self, message: dict) -> dict:
         assignment_id = message.get("assignment_id")
         stored = self.store.state()
@@ -83,9 +92,10 @@ class AssignmentHandler:
         )
         carried_base = stored.get("base_model_sha256") or manifest_base or ""
         try:
+            server_key = trusted_server_key(envelope, self.state.server_public_key)
             manifest = verify_manifest(
                 envelope,
-                server_public_key=self.state.server_public_key,
+                server_public_key=server_key,
                 device_id=self.state.device_id,
                 base_model_sha256=carried_base,
                 last_accepted_seq=int(stored.get("last_seq", 0)),
@@ -95,6 +105,8 @@ class AssignmentHandler:
             logger.warning("refused assignment %s: %s (%s)", assignment_id, refused, refused.code)
             self._report(assignment_id, "failed", f"refused: {refused.code}: {refused}")
             return {"status": "refused", "code": refused.code}
+        if server_key != self.state.server_public_key:
+            self._pin_server_key(server_key)
         self._report(assignment_id, "delivered")
         try:
             base = message.get("base_model") or {}

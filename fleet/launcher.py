@@ -10,6 +10,7 @@ Without DATABASE_URL / REDIS_URL it starts embedded PostgreSQL and Redis in FLEE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -58,11 +59,25 @@ def _child_env(services: Services, data_dir: Path) -> dict[str, str]:
 
 
 class Supervisor:
-    """Runs named child processes, prefixes their output, and stops all of them together."""
+    """Runs named child processes, prefixes their output, and stops all of them together.
+
+    A child that dies after it ran for a while (a Celery worker killed by the OOM killer, or exiting on an
+    error it cannot recover from, as Celery 5.7's does when its Redis connection drops) is started again, as
+    compose's ``restart: unless-stopped`` does: what is left of its process group is killed first (uvicorn's
+    or Celery's orphaned children would keep the port or run tasks). A child that dies within
+    ``min_uptime`` of its start could not start at all, and one that dies ``max_restarts`` times within
+    ``restart_window`` keeps failing: then everything stops, as before."""
+
+    min_uptime = 10.0
+    max_restarts = 5
+    restart_window = 300.0
 
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.children: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
+        self.started_at: dict[str, float] = {}
+        self.restarts: dict[str, list[float]] = {}
         self.stopping = threading.Event()
 
     def start(self, name: str, argv: list[str]) -> None:
@@ -77,6 +92,8 @@ class Supervisor:
             start_new_session=True,  # signals come from us, in order, not from the terminal
         )
         self.children[name] = process
+        self.argv[name] = argv
+        self.started_at[name] = time.monotonic()
         threading.Thread(target=self._pump, args=(name, process), daemon=True).start()
 
     def _pump(self, name: str, process: subprocess.Popen) -> None:
@@ -85,15 +102,30 @@ class Supervisor:
         sys.stdout.flush()
 
     def wait(self) -> int:
-        """Block until a child dies or we are asked to stop; returns the exit code for the launcher."""
+        """Block until we are asked to stop, or a child dies and cannot be started again; returns the exit
+        code for the launcher."""
         while not self.stopping.is_set():
-            for name, process in self.children.items():
+            for name, process in list(self.children.items()):
                 code = process.poll()
-                if code is not None:
-                    _say(f"{name} exited with code {code}; stopping everything")
+                if code is not None and not self.stopping.is_set() and not self._restart(name, code):
                     return code or 1
             self.stopping.wait(0.5)
         return 0
+
+    def _restart(self, name: str, code: int) -> bool:
+        now = time.monotonic()
+        uptime = now - self.started_at[name]
+        recent = [at for at in self.restarts.get(name, []) if now - at < self.restart_window]
+        if uptime < self.min_uptime or len(recent) >= self.max_restarts:
+            why = "at start" if uptime < self.min_uptime else f"{len(recent) + 1} times in {self.restart_window:.0f}s"
+            _say(f"{name} exited with code {code} ({why}); stopping everything")
+            return False
+        _say(f"{name} exited with code {code} after {uptime:.0f}s; starting it again")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.children[name].pid, signal.SIGKILL)  # its leftovers: the group is the child's own
+        self.restarts[name] = [*recent, now]
+        self.start(name, self.argv[name])
+        return True
 
     def stop(self, timeout: float = 20.0) -> None:
         for process in self.children.values():

@@ -114,10 +114,9 @@ CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "fleet")
-# Aggregation has a queue of its own, so a closed round is never stuck behind a backlog of verifications;
-# a worker started by the launcher consumes both, and the compose stack can run dedicated aggregators.
+# Aggregation has a queue of its own, so a closed round is never stuck behind a backlog of verifications.
+# Every worker consumes both unless started with -Q (the compose stack can run dedicated aggregators).
 CELERY_AGGREGATION_QUEUE = f"{CELERY_TASK_DEFAULT_QUEUE}.aggregation"
-# Every worker consumes both unless started with -Q.
 CELERY_TASK_QUEUES = (Queue(CELERY_TASK_DEFAULT_QUEUE), Queue(CELERY_AGGREGATION_QUEUE))
 CELERY_TASK_ROUTES = {
     "training.tasks.aggregate_round": {"queue": CELERY_AGGREGATION_QUEUE},
@@ -381,6 +380,15 @@ DELTA_VERIFY_RESCUE_SECONDS = env_int("DELTA_VERIFY_RESCUE_SECONDS", 300, minimu
 CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
     "task": "training.tasks.requeue_unverified_deltas",
     "schedule": float(min(DELTA_VERIFY_RESCUE_SECONDS, 60)),
+    "options": {"expires": 30},
+}
+# A round still `aggregating` this long after it closed, with no worker aggregating it, lost its task (a worker
+# killed while holding it: the broker hands it out again only after the visibility timeout; or the broker away
+# when the round closed); a beat task queues it again.
+ROUND_AGGREGATION_RESCUE_SECONDS = env_int("ROUND_AGGREGATION_RESCUE_SECONDS", 300, minimum=10)
+CELERY_BEAT_SCHEDULE["requeue-stalled-rounds"] = {
+    "task": "training.tasks.requeue_stalled_rounds",
+    "schedule": float(min(ROUND_AGGREGATION_RESCUE_SECONDS, 60)),
     "options": {"expires": 30},
 }
 # Any other request body (adapter imports, base weights) is refused past this, also while streaming.

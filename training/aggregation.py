@@ -9,13 +9,14 @@ shard order; one worker computes the very same shards in the same order, so the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
 from contextlib import ExitStack
 
 import torch
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -31,6 +32,32 @@ logger = logging.getLogger(__name__)
 
 class AggregationFailed(Exception):
     pass
+
+
+# PostgreSQL advisory locks (namespace, round id) held by the process aggregating a round, for as long as it does:
+# a second task for the same round (queued again by ``requeue_stalled_rounds``) does not run beside it, and the
+# rescue sees that the round is being worked on. A worker that dies loses its connection, and the lock with it.
+_LOCK_NAMESPACE = 0x524E44  # "RND"
+
+
+@contextlib.contextmanager
+def aggregation_lock(round_id: int):
+    """Yields True while this process holds the round's aggregation lock, False when another process holds it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", [_LOCK_NAMESPACE, round_id])
+        held = bool(cursor.fetchone()[0])
+    try:
+        yield held
+    finally:
+        if held:
+            with contextlib.suppress(DatabaseError), connection.cursor() as cursor:  # gone with its connection
+                cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [_LOCK_NAMESPACE, round_id])
+
+
+def aggregation_running(round_id: int) -> bool:
+    """Whether some process holds the round's aggregation lock now."""
+    with aggregation_lock(round_id) as free:
+        return not free
 
 
 def _round(round_id: int) -> Round | None:

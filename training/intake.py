@@ -33,6 +33,7 @@ from training.models import Delta
 logger = logging.getLogger(__name__)
 MAX_STAGED_PER_DEVICE = 4
 _SIGNATURE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # base64url, as the device sends it
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class UploadRefused(Exception):
@@ -52,6 +53,10 @@ class UploadState:
 
 
 def _staging(device_id, sha256: str) -> tuple[Path, Path]:
+    # The name comes from the device (a socket's delta_chunk): anything but a sha256 could lead out of the
+    # device's own folder, e.g. ``../<another device>/<its sha256>`` into that device's unfinished upload.
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        raise UploadRefused("unknown_upload", "no such upload: an upload is named by its sha256 (64 hex digits)", 404)
     folder = Path(settings.DELTA_STAGING_DIR) / str(device_id)
     return folder / f"{sha256}.part", folder / f"{sha256}.json"
 

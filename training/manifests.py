@@ -6,7 +6,7 @@ import time
 
 from edge_agent.manifest import PURPOSE
 from edge_agent.protocol import sign
-from fleet.server_key import server_private_key
+from fleet.server_key import key_rotations, server_private_key
 
 MANIFEST_LIFETIME_SECONDS = 7 * 24 * 3600
 
@@ -43,4 +43,8 @@ def manifest_sign(*, device_id: str, version, assignment_seq: int, lifetime: int
         "expires_at": round(issued + lifetime, 3),
         "training": training_config(version.adapter),
     }
-    return {"manifest": manifest, "signature": sign(server_private_key(), manifest)}
+    envelope = {"manifest": manifest, "signature": sign(server_private_key(), manifest)}
+    rotations = key_rotations()
+    if rotations:  # how a device that pinned an older server key comes to trust the one that signed this
+        envelope["key_rotations"] = rotations
+    return envelope

@@ -7,9 +7,10 @@ hands the round to a Celery task (``training.aggregation``) through ``transactio
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 
+from django.conf import settings
+from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -131,18 +132,39 @@ def round_admit(*, delta: Delta) -> Round | None:
     if round_ is None:
         if not aggregation_settings(delta.adapter)["auto_rounds"]:
             return None
-        # Another worker may open it first, or DP may refuse (recorded); then the delta waits for a round.
-        with contextlib.suppress(ApiError, IntegrityError):
-            round_open(adapter=delta.adapter)
-        round_ = _collecting(delta.adapter_id)
-        if round_ is None:
-            return None
-        if Delta.objects.filter(pk=delta.pk, round=round_).exists():
-            return round_  # adopted while opening
+        round_, adopted = _open_for(delta)
+        if round_ is None or adopted:
+            return round_
     round_.adapter = delta.adapter  # the same row, already loaded: the round's live event names it
     Delta.objects.filter(pk=delta.pk).update(round=round_)
     _close_if_due(round_)
     return round_
+
+
+_OPEN_ATTEMPTS = 5
+
+
+def _open_for(delta: Delta) -> tuple[Round | None, bool]:
+    """Open a round for a delta that found none and lock it; returns it, and whether opening adopted the
+    delta (then the round may be closed already: it was full). Another worker may open a round first, and it
+    may be closed (full, or by an operator) before this transaction sees it: then open again, a few times,
+    so the delta is not left waiting with no round to wait for. A refusal that is not a race (DP budget, no
+    version) leaves the delta waiting for the next round that opens: it adopts waiting deltas."""
+    for _ in range(_OPEN_ATTEMPTS):
+        try:
+            round_open(adapter=delta.adapter)
+        except IntegrityError:
+            pass  # another worker's round went in first
+        except ApiError as refusal:
+            if refusal.error_code != "round_already_open":
+                return None, False
+        adopted_by = Delta.objects.filter(pk=delta.pk).values_list("round_id", flat=True).first()
+        if adopted_by is not None:
+            return Round.objects.get(pk=adopted_by), True
+        round_ = _collecting(delta.adapter_id)
+        if round_ is not None:
+            return round_, False
+    return None, False
 
 
 def _accepted_count(round_: Round) -> int:
@@ -221,3 +243,20 @@ def close_due_rounds() -> int:
             if round_ is not None and _close_if_due(round_):
                 closed += 1
     return closed
+
+
+def stalled_rounds() -> list[int]:
+    """Rounds `aggregating` since longer than ROUND_AGGREGATION_RESCUE_SECONDS that no worker is aggregating
+    now: their task was lost (a worker killed while it held the task, which the broker hands out again only
+    after its visibility timeout, or the broker away when the round closed). Each is picked at most once per
+    that period, so a large round whose chord of shards is still running is not queued again every minute."""
+    from training.aggregation import aggregation_running
+
+    period = settings.ROUND_AGGREGATION_RESCUE_SECONDS
+    older_than = timezone.now() - timedelta(seconds=period)
+    due = Round.objects.filter(state=Round.State.AGGREGATING, closed_at__lt=older_than).order_by("closed_at")
+    return [
+        pk
+        for pk in due.values_list("pk", flat=True)[:500]
+        if not aggregation_running(pk) and cache.add(f"rounds:rescued:{pk}", 1, timeout=period)
+    ]

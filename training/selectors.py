@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from training.models import Adapter, AdapterVersion, Assignment, BaseModel
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from training.models import Adapter, AdapterVersion, Assignment, BaseModel, Delta
 
 
 def device_may_download(device, sha256: str) -> bool:
@@ -19,13 +24,6 @@ def device_may_download(device, sha256: str) -> bool:
 
 def deltas_awaiting_rescue(*, limit: int = 5000) -> list[int]:
     """Ids of deltas still `received` past DELTA_VERIFY_RESCUE_SECONDS: their verification task was lost."""
-    from datetime import timedelta
-
-    from django.conf import settings
-    from django.utils import timezone
-
-    from training.models import Delta
-
     older_than = timezone.now() - timedelta(seconds=settings.DELTA_VERIFY_RESCUE_SECONDS)
     return list(
         Delta.objects.filter(state=Delta.State.RECEIVED, received_at__lt=older_than)

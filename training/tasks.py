@@ -53,18 +53,32 @@ def requeue_unverified_deltas() -> int:
 
 @shared_task(name="training.tasks.aggregate_round", ignore_result=True, time_limit=3600, soft_time_limit=3500)
 def aggregate_round(round_id: int) -> int | None:
-    """Aggregate a closed round: here, or split into a chord of shards when it is large."""
-    from training.aggregation import _round, round_aggregate, round_deltas, shards_of
+    """Aggregate a closed round: here, or split into a chord of shards when it is large. A second task for a
+    round another worker is aggregating right now does nothing."""
+    from training.aggregation import _round, aggregation_lock, round_aggregate, round_deltas, shards_of
 
-    round_ = _round(round_id)
-    if round_ is None:
+    with aggregation_lock(round_id) as mine:
+        round_ = _round(round_id) if mine else None
+        if round_ is None:
+            return None
+        shards = shards_of(round_, round_deltas(round_))
+        if shards is None:
+            version = round_aggregate(round_id=round_id)
+            return version.pk if version is not None else None
+        chord(aggregate_shard.s(round_id, ids) for ids in shards)(combine_shards.s(round_id))
         return None
-    shards = shards_of(round_, round_deltas(round_))
-    if shards is None:
-        version = round_aggregate(round_id=round_id)
-        return version.pk if version is not None else None
-    chord(aggregate_shard.s(round_id, ids) for ids in shards)(combine_shards.s(round_id))
-    return None
+
+
+@shared_task(name="training.tasks.requeue_stalled_rounds", ignore_result=True, time_limit=60, soft_time_limit=50)
+def requeue_stalled_rounds() -> int:
+    """Queue aggregation again for rounds left `aggregating` that no worker is aggregating (their task was
+    lost); a round is aggregated at most once (state guards, ``UNIQUE(round)`` on the version)."""
+    from training.rounds import stalled_rounds
+
+    ids = stalled_rounds()
+    for round_id in ids:
+        aggregate_round.delay(round_id)
+    return len(ids)
 
 
 @shared_task(name="training.tasks.aggregate_shard", time_limit=3600, soft_time_limit=3500)

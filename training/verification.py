@@ -26,7 +26,9 @@ from edge_agent.protocol import public_key_from_b64, verify
 from training.aggregation_settings import aggregation_settings
 from training.artifacts import ArtifactRejected, check_spec, read_header
 from training.blobs import blob_read
+from training.live import announce_delta
 from training.models import Adapter, AdapterVersion, Delta
+from training.rounds import round_admit
 
 
 @dataclass(frozen=True)
@@ -172,29 +174,36 @@ def delta_verify(*, delta_id: int) -> Delta | None:
     return _finish(delta, state=Delta.State.ACCEPTED, encoding=encoding, norm=norm, claim_counter=True)
 
 
+class _CounterUsed(Exception):
+    """The device's counter is already claimed by another of its deltas (a replay)."""
+
+
 def _finish(
     delta: Delta, *, state: str, code: str = "", detail: str = "", claim_counter: bool = False, **fields
 ) -> Delta | None:
-    from training.live import announce_delta
-    from training.rounds import round_admit
-
     fields.update(
         adapter=delta.adapter,
         base_version=delta.base_version,
         staleness=delta.staleness,
         verified_at=timezone.now(),
     )
+    try:
+        return _record(delta, state, code, detail, claim_counter, fields)
+    except _CounterUsed:
+        detail = f"counter {delta.counter} was already used by another delta of this device"
+        return _record(delta, Delta.State.REJECTED, "replayed_counter", detail, False, fields)
+
+
+def _record(delta: Delta, state: str, code: str, detail: str, claim_counter: bool, fields: dict) -> Delta | None:
+    """Write the outcome (claiming the counter if asked) and, if accepted, admit the delta to its round: one
+    transaction. A used counter rolls it back whole (no savepoint per verification) as ``_CounterUsed``."""
     with transaction.atomic():
-        if claim_counter:
-            try:
-                with transaction.atomic():
-                    changed = _set_outcome(delta, state, code, detail, counter_claimed=True, **fields)
-            except IntegrityError:
-                state, code, claim_counter = Delta.State.REJECTED, "replayed_counter", False
-                detail = f"counter {delta.counter} was already used by another delta of this device"
-                changed = _set_outcome(delta, state, code, detail, **fields)
-        else:
-            changed = _set_outcome(delta, state, code, detail, **fields)
+        try:
+            changed = _set_outcome(delta, state, code, detail, counter_claimed=claim_counter, **fields)
+        except IntegrityError:
+            if not claim_counter:
+                raise
+            raise _CounterUsed from None
         if not changed:
             return None
         for name, value in fields.items():

@@ -11,7 +11,10 @@ protocol (``edge_agent.protocol``, never Django), and the figures they report.
 - ``generator`` / ``connections``: the load-generator processes and the phases of ``agent_connections.py``;
 - ``family``, ``deltas``, ``provision``, ``http_client``, ``ingest_agent``, ``ingest_run``, ``ingest_report``,
   ``echo_server``, ``profiling``: the fleet simulator of ``fleet_simulator.py`` (enrolled agents uploading
-  signed deltas).
+  signed deltas);
+- ``services``, ``fault_traffic``, ``fault_inject``, ``fault_checks``: ``faults.py`` (the product on embedded
+  PostgreSQL and Redis of its own, live traffic, the faults, and the checks that no delta was lost or counted
+  twice).
 """
 
 from __future__ import annotations

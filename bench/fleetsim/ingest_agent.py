@@ -63,6 +63,7 @@ class IngestConfig:
     result_timeout: float
     backoff_cap: float
     num_samples: int = 64
+    chunk_bytes: int = DELTA_BINARY_CHUNK_BYTES  # bytes per binary chunk frame (the edge agent sends 256 KiB)
 
 
 class IngestStats:
@@ -72,14 +73,16 @@ class IngestStats:
         self.recording = False
         self.lag_ms: list[float] = []
         self.gc_pauses_ms: list[float] = []
-        # (first byte sent, server held every byte, outcome known, state, rejection code, how it was learnt)
-        self.completions: list[tuple[float, float, float, str, str, str]] = []
+        # (first byte sent, server held every byte, outcome known, state, rejection code, how it was learnt, sha256)
+        self.completions: list[tuple[float, float, float, str, str, str, str]] = []
         self.errors: list[tuple[float, str]] = []
         self.heartbeats: list[tuple[float, float]] = []  # (sent, round trip ms)
         self.started: list[float] = []  # when each upload began
         self.connected = 0
         self.handshakes = 0
         self.drops = 0  # sockets the simulator cut on purpose
+        self.cut_uploads: list[tuple[float, str, int]] = []  # (when, sha256, bytes sent) of sockets cut mid-upload
+        self.interrupted: list[tuple[float, str]] = []  # (when, sha256): a socket lost with an upload unfinished
         self.polls = 0
 
     def error(self, kind: str) -> None:
@@ -137,6 +140,7 @@ class IngestAgent:
         self.token_expires = 0.0
         self.beats: dict[int, float] = {}
         self.tasks: set[asyncio.Task] = set()
+        self.cut_after_chunks: int | None = None  # armed: cut the socket right after sending this many chunks
 
     # --- connection ---
 
@@ -183,6 +187,8 @@ class IngestAgent:
         except Exception as exc:
             self.stats.error(f"socket: {failure_reason(exc)}")
         finally:
+            if self.upload is not None and not self.closing:
+                self.stats.interrupted.append((time.perf_counter(), self.upload.sha256))
             if self.dropping:
                 self.stats.drops += 1
                 self.dropping = False
@@ -253,8 +259,14 @@ class IngestAgent:
         state = message.get("state")
         if state == "uploading":
             offset = int(message.get("offset", 0))
-            chunk = bytes(self.delta.data[offset : offset + DELTA_BINARY_CHUNK_BYTES])
+            chunk = bytes(self.delta.data[offset : offset + self.cfg.chunk_bytes])
             await self.socket.send(encode_chunk_frame(sha256=upload.sha256, offset=offset, data=chunk))
+            if self.cut_after_chunks is not None and offset + len(chunk) < upload.size:
+                self.cut_after_chunks -= 1
+                if self.cut_after_chunks <= 0:  # the chunk just sent is still in flight: a cut mid-upload
+                    self.cut_after_chunks = None
+                    if self.drop():
+                        self.stats.cut_uploads.append((time.perf_counter(), upload.sha256, offset + len(chunk)))
         else:
             self._on_outcome(upload.sha256, state, message.get("rejection_code") or "", "state")
 
@@ -278,7 +290,7 @@ class IngestAgent:
             self.transferred = now
         if state not in FINAL_STATES:
             return  # received: the result is pushed once the worker has verified it
-        self.stats.completions.append((self.first_byte, self.transferred, now, state, code, how))
+        self.stats.completions.append((self.first_byte, self.transferred, now, state, code, how, sha256))
         self._idle()
 
     def _idle(self) -> None:

@@ -50,3 +50,27 @@ def run_loop(coroutine) -> None:
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     runner(coroutine)
+
+
+def run_main(run, args) -> int:
+    """A simulator script's ``main``: ``await run(args, command_line)`` on the event loop with Ctrl-C and SIGTERM
+    stopping it cleanly, the open-file limit raised and the results folder made; returns its exit code."""
+    import shlex
+    import signal
+    import sys
+    from pathlib import Path
+
+    from bench.fleetsim import RESULTS_DIR
+    from bench.fleetsim.resources import raise_open_file_limit
+
+    command_line = shlex.join([Path(sys.executable).as_posix(), *sys.argv])
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    raise_open_file_limit()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    outcome: list[int] = []
+
+    async def body() -> None:
+        outcome.append(await run(args, command_line))
+
+    run_loop(body())
+    return outcome[0] if outcome else 1

@@ -30,3 +30,18 @@ def test_readyz_reports_every_dependency_ok_with_a_worker_running(celery_worker_
     assert body["ok"] is True
     assert {"database", "redis", "worker"} <= {name for name, check in body["checks"].items() if check["ok"]}
     assert any(name.startswith("test-") for name in body["checks"]["worker"]["workers"])
+
+
+def test_a_process_that_only_set_up_django_queues_tasks_on_the_projects_broker(settings):
+    """A web server process that has only served WebSockets never loaded the URLconf (nor, through it, the
+    Celery app): its tasks must still go to the configured broker, not to Celery's fallback amqp://localhost."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import django; django.setup(); from training.tasks import verify_delta; "
+        "print(verify_delta.app.main, verify_delta.app.conf.broker_url)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["fleet", settings.CELERY_BROKER_URL]

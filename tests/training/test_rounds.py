@@ -213,3 +213,42 @@ def test_a_delta_whose_verification_task_was_lost_is_queued_again_and_verified_o
     time.sleep(2)
     assert Delta.objects.filter(state=Delta.State.ACCEPTED).count() == 2
     assert Delta.objects.get(pk=delta.pk).verified_at == rescued.verified_at
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
+    trained, celery_worker_process, monkeypatch, settings, make_user
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from training.aggregation import aggregation_lock
+    from training.tasks import aggregate_round, requeue_stalled_rounds
+
+    adapter, _, devices = trained
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})
+    adapter.refresh_from_db()
+    for i in range(3):
+        receive(devices[i], adapter, make_delta_tensors(adapter, seed=80 + i), counter=1)
+    wait_for(lambda: Delta.objects.filter(state=Delta.State.ACCEPTED).count() == 3)
+    # The round closes but its task never reaches a worker (the broker was away, or the worker that held it
+    # was killed: the broker hands it out again only after its visibility timeout).
+    with monkeypatch.context() as patch:
+        patch.setattr(aggregate_round, "delay", lambda round_id: None)
+        round_ = round_close(round_=Round.objects.get(), actor=make_user("operator"))
+    assert round_.state == Round.State.AGGREGATING
+    closed_long_ago = timezone.now() - timedelta(seconds=settings.ROUND_AGGREGATION_RESCUE_SECONDS + 5)
+    Round.objects.filter(pk=round_.pk).update(closed_at=closed_long_ago)
+
+    with aggregation_lock(round_.pk) as held:  # as a worker aggregating it right now would hold it
+        assert held
+        requeue_stalled_rounds.delay()
+        time.sleep(2)
+        assert Round.objects.get(pk=round_.pk).state == Round.State.AGGREGATING
+    requeue_stalled_rounds.delay()
+    done = wait_for(lambda: Round.objects.filter(pk=round_.pk, state=Round.State.COMPLETED).first())
+    requeue_stalled_rounds.delay()  # again (beat runs it every minute): nothing more happens
+    time.sleep(2)
+    assert AdapterVersion.objects.filter(round=done).count() == 1
+    assert done.stats["deltas"] == 3 == Delta.objects.filter(round=done, state=Delta.State.AGGREGATED).count()

@@ -6,92 +6,29 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from opacus.accountants import RDPAccountant
-from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 import training.strategies.base as strategies_base
-import training.strategies.robust as strategies_robust
-from edge_agent.delta import decode_tensor, encode_delta, read_encoding
+from tests.training.strategy_support import (
+    A_KEYS,
+    ALL,
+    ROOT,
+    SPEC,
+    P,
+    assert_same,
+    base_tensors,
+    decoded,
+    make_inputs,
+    norm_of,
+    rand_tensors,
+    run,
+    weighted_reference,
+    write,
+)
 from training.strategies import STRATEGIES, DeltaInput, get_strategy, shards
-from training.strategies.dp import dp_epsilon, epsilon_if_round_runs
-from training.strategies.robust import chunk_plan
-
-ROOT = Path(__file__).resolve().parents[2]
-P = "base_model.model."
-SPEC = {
-    f"{P}fc1.lora_A.weight": {"shape": [4, 12], "dtype": "F32"},
-    f"{P}fc1.lora_B.weight": {"shape": [10, 4], "dtype": "F32"},
-    f"{P}conv.lora_A.weight": {"shape": [4, 3, 3, 3], "dtype": "F32"},
-    f"{P}conv.lora_B.weight": {"shape": [6, 4, 1, 1], "dtype": "F32"},
-    f"{P}head.weight": {"shape": [5, 10], "dtype": "F32"},
-    f"{P}head.bias": {"shape": [5], "dtype": "F32"},
-}
-A_KEYS = [k for k in SPEC if ".lora_A." in k]
-ALL = ("fedavg", "fedbuff", "ffa_lora", "lora_product", "trimmed_mean", "median", "krum", "multi_krum")
-
-
-def rand_tensors(gen, spec=SPEC, scale=1.0, skip=()):
-    return {k: torch.randn(v["shape"], generator=gen) * scale for k, v in spec.items() if k not in skip}
-
-
-def base_tensors(seed=0, spec=SPEC):
-    return rand_tensors(torch.Generator().manual_seed(seed), spec)
-
-
-def write(tmp_path: Path, name: str, tensors: dict, encoding: str = "f32") -> str:
-    path = tmp_path / f"{name}.safetensors"
-    path.write_bytes(encode_delta(tensors, encoding=encoding))
-    return str(path)
-
-
-def decoded(path: str) -> dict[str, torch.Tensor]:
-    with safe_open(path, "pt") as f:
-        encoding, scales = read_encoding(f.metadata())
-        return {k: decode_tensor(f.get_tensor(k), encoding=encoding, scale=scales.get(k)) for k in f.keys()}  # noqa: SIM118
-
-
-def make_inputs(tmp_path, n, *, seed=1, samples=None, staleness=None, encoding="f32", scale=1.0, skip=()):
-    gen = torch.Generator().manual_seed(seed)
-    inputs = []
-    for i in range(n):
-        path = write(tmp_path, f"d{seed}-{i}", rand_tensors(gen, scale=scale, skip=skip), encoding)
-        inputs.append(DeltaInput(path, samples[i] if samples else 1 + i * 3, staleness[i] if staleness else 0))
-    return inputs
-
-
-def weighted_reference(inputs, weights, spec=SPEC, factors=None):
-    deltas = [decoded(inp.path) for inp in inputs]
-    factors = factors or [1.0] * len(inputs)
-    w = torch.tensor([a * b for a, b in zip(weights, factors, strict=True)], dtype=torch.float64)
-    out = {}
-    for key, entry in spec.items():
-        stacked = torch.stack([d.get(key, torch.zeros(entry["shape"])).double() for d in deltas])
-        out[key] = ((stacked * w.view(-1, *[1] * (stacked.dim() - 1))).sum(0) / sum(weights)).float()
-    return out
-
-
-def assert_same(got, want, **tol):
-    assert set(got) == set(want)
-    for key in want:
-        assert got[key].dtype == torch.float32
-        torch.testing.assert_close(got[key], want[key], **({"rtol": 1e-6, "atol": 1e-7} | tol), msg=key)
-
-
-def run(name, inputs, params=None, spec=SPEC, base=None):
-    base = base_tensors() if base is None else base
-    return get_strategy(name).aggregate(inputs, spec=spec, base=base, params=params or {})
-
-
-def norm_of(path):
-    return math.sqrt(sum(float(t.double().square().sum()) for t in decoded(path).values()))
-
-
-# -- registry --------------------------------------------------------------------------------------------
 
 
 def test_registry_names_every_strategy_and_refuses_unknown_ones():
@@ -258,178 +195,6 @@ def test_lora_product_refuses_inconsistent_ranks(tmp_path):
 # -- coordinate-wise -------------------------------------------------------------------------------------
 
 
-def stacked_reference(inputs, factors=None):
-    deltas = [decoded(inp.path) for inp in inputs]
-    factors = factors or [1.0] * len(inputs)
-    return {k: torch.stack([d[k] * f for d, f in zip(deltas, factors, strict=True)]) for k in SPEC}
-
-
-def test_chunk_plan_covers_every_coordinate_once_in_small_chunks():
-    shapes = {k: tuple(v["shape"]) for k, v in SPEC.items()} | {"scalar": (), "empty": (0, 3)}
-    plan = chunk_plan(shapes, 7)
-    assert len(plan) > 20
-    covered = {k: torch.zeros(math.prod(s), dtype=torch.int64) for k, s in shapes.items()}
-    for chunk in plan:
-        assert sum(s.size for s in chunk) <= max(7, max(s.size for s in chunk))
-        for s in chunk:
-            covered[s.key][s.offset : s.offset + s.size] += 1
-    assert all(bool((c == 1).all()) for c in covered.values())
-
-
-@pytest.mark.parametrize("n", [7, 8])
-def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 3)
-    inputs = make_inputs(tmp_path, n, encoding="f16")
-    got = run("median", inputs, {"chunk_elements": 7})
-    for key, stacked in stacked_reference(inputs).items():
-        if n % 2:
-            want = torch.median(stacked, dim=0).values
-        else:  # the statistical median: mean of the two middle values
-            ordered = stacked.sort(dim=0).values
-            want = ((ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2).float()
-        assert torch.equal(got[key], want), key
-
-
-@pytest.mark.parametrize("ratio", [0.0, 0.1, 0.2, 0.45])
-def test_trimmed_mean_in_many_chunks_equals_sorted_trimming(tmp_path, monkeypatch, ratio):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 2)  # also reduce each chunk in several column blocks
-    inputs = make_inputs(tmp_path, 10, encoding="int8")
-    got = run("trimmed_mean", inputs, {"chunk_elements": 5, "trim_ratio": ratio})
-    cut = int(ratio * 10)
-    for key, stacked in stacked_reference(inputs).items():
-        kept = stacked.sort(dim=0).values[cut : 10 - cut]
-        torch.testing.assert_close(got[key], kept.double().mean(0).float(), rtol=1e-6, atol=1e-7)
-
-
-def test_trimmed_mean_defaults_to_ten_percent_and_resists_an_outlier(tmp_path):
-    inputs = make_inputs(tmp_path, 10)
-    inputs[3] = DeltaInput(write(tmp_path, "huge", rand_tensors(torch.Generator(), scale=1e6)), 1)
-    got = run("trimmed_mean", inputs, {"chunk_elements": 64})
-    for key, stacked in stacked_reference(inputs).items():
-        torch.testing.assert_close(got[key], stacked.sort(0).values[1:9].double().mean(0).float())
-        assert float(got[key].abs().max()) < 10
-
-
-def test_robust_strategies_clip_the_slices(tmp_path):
-    inputs = make_inputs(tmp_path, 5, scale=3.0)
-    norms = [norm_of(inp.path) for inp in inputs]
-    factors = [min(1.0, 20.0 / n) for n in norms]
-    assert min(factors) < 1
-    got = run("median", inputs, {"clip_norm": 20.0, "chunk_elements": 16})
-    for key, stacked in stacked_reference(inputs, factors).items():
-        torch.testing.assert_close(got[key], torch.median(stacked, dim=0).values)
-
-
-# -- krum ------------------------------------------------------------------------------------------------
-
-
-def krum_inputs(tmp_path, honest=7, outliers=2):
-    gen = torch.Generator().manual_seed(9)
-    center = rand_tensors(gen)
-    inputs = []
-    for i in range(honest):
-        noise = rand_tensors(gen, scale=0.05 * (1 + i % 3))
-        inputs.append(DeltaInput(write(tmp_path, f"h{i}", {k: center[k] + noise[k] for k in SPEC}), 10 + i))
-    for i in range(outliers):
-        inputs.insert(2 * i, DeltaInput(write(tmp_path, f"o{i}", rand_tensors(gen, scale=50.0)), 1000))
-    return inputs
-
-
-def brute_force_scores(inputs, f):
-    flat = [torch.cat([t.double().reshape(-1) for t in decoded(inp.path).values()]) for inp in inputs]
-    n = len(flat)
-    scores = []
-    for i in range(n):
-        dists = sorted(float(((flat[i] - flat[j]) ** 2).sum()) for j in range(n) if j != i)
-        scores.append(sum(dists[: n - f - 2]))
-    return scores
-
-
-def test_krum_picks_the_most_central_honest_delta(tmp_path, monkeypatch):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 4)
-    inputs = krum_inputs(tmp_path)
-    scores = brute_force_scores(inputs, f=3)  # default f = floor((9 - 3) / 2)
-    best = min(range(len(inputs)), key=lambda i: scores[i])
-    assert best not in (0, 2)  # not an outlier
-    got = run("krum", inputs, {"chunk_elements": 9})
-    assert_same(got, decoded(inputs[best].path), rtol=0, atol=0)
-
-
-def test_multi_krum_averages_the_m_best(tmp_path):
-    inputs = krum_inputs(tmp_path)
-    scores = brute_force_scores(inputs, f=2)
-    chosen = sorted(range(len(inputs)), key=lambda i: (scores[i], i))[:5]
-    assert not {0, 2} & set(chosen)
-    got = run("multi_krum", inputs, {"byzantine": 2, "multi_k": 5, "chunk_elements": 13})
-    picked = [inputs[i] for i in chosen]
-    assert_same(got, weighted_reference(picked, [inp.num_samples for inp in picked]))
-    # default m = N - f, f clamped: 3 deltas allow f = 0, so multi_krum averages all of them
-    few = krum_inputs(tmp_path, honest=3, outliers=0)
-    assert_same(run("multi_krum", few, {"byzantine": 5}), weighted_reference(few, [10, 11, 12]))
-    assert_same(run("krum", few[:1]), decoded(few[0].path), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="multi_k must be a whole number >= 1"):
-        run("multi_krum", few, {"multi_k": 0})
-
-
-# -- clipping and DP -------------------------------------------------------------------------------------
-
-
-def test_clipping_scales_each_delta_before_averaging(tmp_path):
-    inputs = make_inputs(tmp_path, 4, scale=2.0)
-    norms = [norm_of(inp.path) for inp in inputs]
-    clip = sorted(norms)[1]
-    factors = [min(1.0, clip / n) for n in norms]
-    want = weighted_reference(inputs, [inp.num_samples for inp in inputs], factors=factors)
-    assert_same(run("fedavg", inputs, {"clip_norm": clip}), want)  # norms computed lazily
-    given = [DeltaInput(inp.path, inp.num_samples, norm=n) for inp, n in zip(inputs, norms, strict=True)]
-    assert_same(run("fedavg", given, {"clip_norm": clip, "shard_size": 1}), want)
-
-
-def test_dp_clips_unweighted_and_recomputes_norms(tmp_path):
-    inputs = make_inputs(tmp_path, 5, scale=2.0, samples=[1, 1000, 3, 4, 5])
-    lying = [DeltaInput(inp.path, inp.num_samples, norm=1e-3) for inp in inputs]
-    factors = [min(1.0, 5.0 / norm_of(inp.path)) for inp in inputs]
-    want = weighted_reference(inputs, [1.0] * 5, factors=factors)
-    dp = {"clip": 5.0, "noise_multiplier": 0.0, "seed": 1}
-    assert_same(run("fedavg", lying, {"dp": dp}), want)
-    ffa = make_inputs(tmp_path, 3, skip=A_KEYS, seed=7)
-    assert_same(run("ffa_lora", ffa, {"dp": dp | {"clip": 1e9}}), weighted_reference(ffa, [1.0] * 3))
-    noisy = run("ffa_lora", ffa, {"dp": dp | {"noise_multiplier": 1.0}})
-    assert all(torch.count_nonzero(noisy[k]) == 0 for k in A_KEYS)  # no noise on the frozen A
-    assert all(torch.count_nonzero(run("fedavg", ffa, {"dp": dp | {"noise_multiplier": 1.0}})[k]) == 0 for k in A_KEYS)
-
-
-def test_dp_noise_has_std_z_c_over_n_and_is_deterministic(tmp_path):
-    spec = {f"{P}big.lora_B.weight": {"shape": [200, 200], "dtype": "F32"}}
-    zero = write(tmp_path, "zero", {k: torch.zeros(v["shape"]) for k, v in spec.items()})
-    inputs = [DeltaInput(zero, 10 * (i + 1)) for i in range(4)]
-    dp = {"clip": 2.0, "noise_multiplier": 1.5, "seed": 1234}
-    first = run("fedavg", inputs, {"dp": dp}, spec=spec)
-    values = next(iter(first.values())).double()
-    assert abs(float(values.std()) - 1.5 * 2.0 / 4) < 0.02 * 0.75
-    assert abs(float(values.mean())) < 0.01
-    again = run("fedavg", inputs, {"dp": dp, "shard_size": 1}, spec=spec)
-    assert all(torch.equal(first[k], again[k]) for k in spec)
-    other = run("fedavg", inputs, {"dp": dp | {"seed": 1235}}, spec=spec)
-    assert not torch.equal(next(iter(other.values())), next(iter(first.values())))
-    unseeded = [run("fedbuff", inputs, {"dp": dp | {"seed": None}}, spec=spec) for _ in range(2)]
-    assert not torch.equal(*(next(iter(r.values())) for r in unseeded))
-
-
-def test_dp_is_refused_where_it_is_not_supported(tmp_path):
-    inputs = make_inputs(tmp_path, 3)
-    for name in ("lora_product", "trimmed_mean", "median", "krum", "multi_krum"):
-        with pytest.raises(ValueError, match="does not support server-side DP"):
-            run(name, inputs, {"dp": {"clip": 1.0, "noise_multiplier": 1.0}})
-    with pytest.raises(ValueError, match="dp.clip must be a positive"):
-        run("fedavg", inputs, {"dp": {"clip": 0, "noise_multiplier": 1.0}})
-    with pytest.raises(ValueError, match="unknown dp fields"):
-        run("fedavg", inputs, {"dp": {"clip": 1.0, "noise_multiplier": 1.0, "epsilon": 3}})
-
-
-# -- encodings -------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("encoding, tolerance", [("f32", 0.0), ("f16", 2e-3), ("int8", 2e-2)])
 def test_encoded_deltas_decode_to_float32(tmp_path, encoding, tolerance):
     gen = torch.Generator().manual_seed(2)
@@ -579,31 +344,3 @@ def test_fedavg_peak_memory_does_not_grow_with_n(tmp_path):
 
 
 # -- DP accountant ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("z, q, steps", [(1.0, 0.01, 100), (1.5, 0.1, 10), (0.8, 1.0, 3), (4.0, 0.5, 1000)])
-def test_dp_epsilon_matches_opacus(z, q, steps):
-    accountant = RDPAccountant()
-    for _ in range(steps):
-        accountant.step(noise_multiplier=z, sample_rate=q)
-    assert dp_epsilon([(z, q, steps)], 1e-5) == pytest.approx(accountant.get_epsilon(delta=1e-5), rel=1e-12)
-    assert epsilon_if_round_runs([(z, q, steps - 1)], z, q, 1e-5) == pytest.approx(
-        accountant.get_epsilon(delta=1e-5), rel=1e-12
-    )
-
-
-def test_dp_epsilon_is_monotonic_and_composes_mixed_histories():
-    values = [dp_epsilon([(1.1, 0.05, steps)], 1e-5) for steps in (1, 2, 5, 10, 50, 200)]
-    assert values == sorted(values) and len(set(values)) == len(values)
-    assert dp_epsilon([], 1e-5) == 0.0
-    accountant = RDPAccountant()
-    history = [(1.0, 0.1, 3), (2.0, 0.05, 4), [1.0, 0.1, 2]]
-    for z, q, steps in history:
-        for _ in range(steps):
-            accountant.step(noise_multiplier=z, sample_rate=q)
-    assert dp_epsilon(history, 1e-6) == pytest.approx(accountant.get_epsilon(delta=1e-6), rel=1e-12)
-    assert epsilon_if_round_runs(history, 2.0, 0.05, 1e-6) > dp_epsilon(history, 1e-6)
-    with pytest.raises(ValueError, match="sample_rate must be in"):
-        dp_epsilon([(1.0, 1.5, 1)], 1e-5)
-    with pytest.raises(ValueError, match="delta must be in"):
-        dp_epsilon([(1.0, 0.5, 1)], 0)

@@ -1,0 +1,151 @@
+"""Robust strategies (median, trimmed mean, Krum, Multi-Krum) and norm clipping against plain references, in
+many chunks as on the server."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import training.strategies.robust as strategies_robust
+from tests.training.strategy_support import (
+    SPEC,
+    assert_same,
+    decoded,
+    make_inputs,
+    norm_of,
+    rand_tensors,
+    run,
+    weighted_reference,
+    write,
+)
+from training.strategies import DeltaInput
+from training.strategies.robust import chunk_plan
+
+
+def stacked_reference(inputs, factors=None):
+    deltas = [decoded(inp.path) for inp in inputs]
+    factors = factors or [1.0] * len(inputs)
+    return {k: torch.stack([d[k] * f for d, f in zip(deltas, factors, strict=True)]) for k in SPEC}
+
+
+def test_chunk_plan_covers_every_coordinate_once_in_small_chunks():
+    shapes = {k: tuple(v["shape"]) for k, v in SPEC.items()} | {"scalar": (), "empty": (0, 3)}
+    plan = chunk_plan(shapes, 7)
+    assert len(plan) > 20
+    covered = {k: torch.zeros(math.prod(s), dtype=torch.int64) for k, s in shapes.items()}
+    for chunk in plan:
+        assert sum(s.size for s in chunk) <= max(7, max(s.size for s in chunk))
+        for s in chunk:
+            covered[s.key][s.offset : s.offset + s.size] += 1
+    assert all(bool((c == 1).all()) for c in covered.values())
+
+
+@pytest.mark.parametrize("n", [7, 8])
+def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n):
+    monkeypatch.setattr(strategies_robust, "BLOCK", 3)
+    inputs = make_inputs(tmp_path, n, encoding="f16")
+    got = run("median", inputs, {"chunk_elements": 7})
+    for key, stacked in stacked_reference(inputs).items():
+        if n % 2:
+            want = torch.median(stacked, dim=0).values
+        else:  # the statistical median: mean of the two middle values
+            ordered = stacked.sort(dim=0).values
+            want = ((ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2).float()
+        assert torch.equal(got[key], want), key
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.1, 0.2, 0.45])
+def test_trimmed_mean_in_many_chunks_equals_sorted_trimming(tmp_path, monkeypatch, ratio):
+    monkeypatch.setattr(strategies_robust, "BLOCK", 2)  # also reduce each chunk in several column blocks
+    inputs = make_inputs(tmp_path, 10, encoding="int8")
+    got = run("trimmed_mean", inputs, {"chunk_elements": 5, "trim_ratio": ratio})
+    cut = int(ratio * 10)
+    for key, stacked in stacked_reference(inputs).items():
+        kept = stacked.sort(dim=0).values[cut : 10 - cut]
+        torch.testing.assert_close(got[key], kept.double().mean(0).float(), rtol=1e-6, atol=1e-7)
+
+
+def test_trimmed_mean_defaults_to_ten_percent_and_resists_an_outlier(tmp_path):
+    inputs = make_inputs(tmp_path, 10)
+    inputs[3] = DeltaInput(write(tmp_path, "huge", rand_tensors(torch.Generator(), scale=1e6)), 1)
+    got = run("trimmed_mean", inputs, {"chunk_elements": 64})
+    for key, stacked in stacked_reference(inputs).items():
+        torch.testing.assert_close(got[key], stacked.sort(0).values[1:9].double().mean(0).float())
+        assert float(got[key].abs().max()) < 10
+
+
+def test_robust_strategies_clip_the_slices(tmp_path):
+    inputs = make_inputs(tmp_path, 5, scale=3.0)
+    norms = [norm_of(inp.path) for inp in inputs]
+    factors = [min(1.0, 20.0 / n) for n in norms]
+    assert min(factors) < 1
+    got = run("median", inputs, {"clip_norm": 20.0, "chunk_elements": 16})
+    for key, stacked in stacked_reference(inputs, factors).items():
+        torch.testing.assert_close(got[key], torch.median(stacked, dim=0).values)
+
+
+# -- krum ------------------------------------------------------------------------------------------------
+
+
+def krum_inputs(tmp_path, honest=7, outliers=2):
+    gen = torch.Generator().manual_seed(9)
+    center = rand_tensors(gen)
+    inputs = []
+    for i in range(honest):
+        noise = rand_tensors(gen, scale=0.05 * (1 + i % 3))
+        inputs.append(DeltaInput(write(tmp_path, f"h{i}", {k: center[k] + noise[k] for k in SPEC}), 10 + i))
+    for i in range(outliers):
+        inputs.insert(2 * i, DeltaInput(write(tmp_path, f"o{i}", rand_tensors(gen, scale=50.0)), 1000))
+    return inputs
+
+
+def brute_force_scores(inputs, f):
+    flat = [torch.cat([t.double().reshape(-1) for t in decoded(inp.path).values()]) for inp in inputs]
+    n = len(flat)
+    scores = []
+    for i in range(n):
+        dists = sorted(float(((flat[i] - flat[j]) ** 2).sum()) for j in range(n) if j != i)
+        scores.append(sum(dists[: n - f - 2]))
+    return scores
+
+
+def test_krum_picks_the_most_central_honest_delta(tmp_path, monkeypatch):
+    monkeypatch.setattr(strategies_robust, "BLOCK", 4)
+    inputs = krum_inputs(tmp_path)
+    scores = brute_force_scores(inputs, f=3)  # default f = floor((9 - 3) / 2)
+    best = min(range(len(inputs)), key=lambda i: scores[i])
+    assert best not in (0, 2)  # not an outlier
+    got = run("krum", inputs, {"chunk_elements": 9})
+    assert_same(got, decoded(inputs[best].path), rtol=0, atol=0)
+
+
+def test_multi_krum_averages_the_m_best(tmp_path):
+    inputs = krum_inputs(tmp_path)
+    scores = brute_force_scores(inputs, f=2)
+    chosen = sorted(range(len(inputs)), key=lambda i: (scores[i], i))[:5]
+    assert not {0, 2} & set(chosen)
+    got = run("multi_krum", inputs, {"byzantine": 2, "multi_k": 5, "chunk_elements": 13})
+    picked = [inputs[i] for i in chosen]
+    assert_same(got, weighted_reference(picked, [inp.num_samples for inp in picked]))
+    # default m = N - f, f clamped: 3 deltas allow f = 0, so multi_krum averages all of them
+    few = krum_inputs(tmp_path, honest=3, outliers=0)
+    assert_same(run("multi_krum", few, {"byzantine": 5}), weighted_reference(few, [10, 11, 12]))
+    assert_same(run("krum", few[:1]), decoded(few[0].path), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multi_k must be a whole number >= 1"):
+        run("multi_krum", few, {"multi_k": 0})
+
+
+# -- clipping and DP -------------------------------------------------------------------------------------
+
+
+def test_clipping_scales_each_delta_before_averaging(tmp_path):
+    inputs = make_inputs(tmp_path, 4, scale=2.0)
+    norms = [norm_of(inp.path) for inp in inputs]
+    clip = sorted(norms)[1]
+    factors = [min(1.0, clip / n) for n in norms]
+    want = weighted_reference(inputs, [inp.num_samples for inp in inputs], factors=factors)
+    assert_same(run("fedavg", inputs, {"clip_norm": clip}), want)  # norms computed lazily
+    given = [DeltaInput(inp.path, inp.num_samples, norm=n) for inp, n in zip(inputs, norms, strict=True)]
+    assert_same(run("fedavg", given, {"clip_norm": clip, "shard_size": 1}), want)
