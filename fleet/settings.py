@@ -368,6 +368,14 @@ CELERY_BEAT_SCHEDULE["flush-presence"] = {
 DELTA_MAX_BYTES = env_int("DELTA_MAX_BYTES", 64 * 1024 * 1024, minimum=1024)
 # Partial (resumable) uploads wait here; with several web servers it must be a shared volume.
 DELTA_STAGING_DIR = Path(env_str("DELTA_STAGING_DIR", str(DATA_DIR / "uploads"))).resolve()
+# An unfinished upload no chunk has reached for this long is discarded (a device that resumes later starts that
+# file over): it no longer holds one of the device's few upload slots, nor disk. Beat sweeps every hour.
+DELTA_STAGED_EXPIRY_SECONDS = env_int("DELTA_STAGED_EXPIRY_SECONDS", 6 * 3600, minimum=60)
+CELERY_BEAT_SCHEDULE["expire-staged-uploads"] = {
+    "task": "training.tasks.expire_staged_uploads",
+    "schedule": float(min(DELTA_STAGED_EXPIRY_SECONDS, 3600)),
+    "options": {"expires": 600},
+}
 ROUND_CHECK_SECONDS = env_int("ROUND_CHECK_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE["close-due-rounds"] = {
     "task": "training.tasks.close_due_rounds",

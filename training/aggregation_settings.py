@@ -47,7 +47,7 @@ def dp_settings(adapter) -> dict[str, Any]:
 
 def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     """Check an operator's aggregation settings; ValueError naming the first bad one."""
-    from training.strategies import STRATEGIES
+    from training.strategies import STRATEGIES, get_strategy
 
     unknown = set(values) - set(AGGREGATION_DEFAULTS)
     if unknown:
@@ -58,7 +58,11 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     for name in ("buffer_size", "min_deltas", "round_timeout_seconds", "shard_size"):
         if not isinstance(merged[name], int) or isinstance(merged[name], bool) or merged[name] < 1:
             raise ValueError(f"{name} must be a positive whole number")
-    if not isinstance(merged["max_staleness"], int) or merged["max_staleness"] < 0:
+    if (
+        not isinstance(merged["max_staleness"], int)
+        or isinstance(merged["max_staleness"], bool)
+        or (merged["max_staleness"] < 0)
+    ):
         raise ValueError("max_staleness must be a whole number >= 0")
     if merged["min_deltas"] > merged["buffer_size"]:
         raise ValueError("min_deltas cannot be above buffer_size")
@@ -69,8 +73,8 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     for name in ("auto_rounds", "ffa", "auto_release"):
         if not isinstance(merged[name], bool):
             raise ValueError(f"{name} must be true or false")
-    if not 0 <= float(merged["trim_ratio"]) < 0.5:
-        raise ValueError("trim_ratio must be in [0, 0.5)")
+    # the strategy's own check of its params (trim_ratio, byzantine, multi_k, ...), as a round would run it
+    get_strategy(merged["strategy"]).check_params({name: merged[name] for name in STRATEGY_PARAMS})
     return values
 
 

@@ -13,11 +13,13 @@ file keeps two connections of one device from interleaving writes.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import math
 import re
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +66,12 @@ def _staging(device_id, sha256: str) -> tuple[Path, Path]:
 @contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
+    try:
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115  (closed below)
+    except FileNotFoundError:  # the sweep removed the device's empty folder just now
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -133,6 +140,8 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
         if not part.exists():
             staged = list(part.parent.glob("*.part"))
             if len(staged) >= MAX_STAGED_PER_DEVICE:
+                staged = [path for path in staged if not _expire(path)]
+            if len(staged) >= MAX_STAGED_PER_DEVICE:
                 raise UploadRefused(
                     "too_many_uploads", f"this device has {len(staged)} unfinished uploads; finish or wait", 429
                 )
@@ -144,6 +153,61 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
         part.unlink(missing_ok=True)
         offset = 0
     return UploadState(sha256, size, offset)
+
+
+def _expire(part: Path, now: float | None = None) -> bool:
+    """Discard a staged upload (its part, envelope and lock files) that no chunk reached for
+    DELTA_STAGED_EXPIRY_SECONDS; True if it is gone. Only when no one holds its lock: an upload being written
+    to right now is not stale. (The caller may hold another upload's lock.)"""
+    try:
+        age = (now or time.time()) - part.stat().st_mtime
+    except FileNotFoundError:
+        return True
+    if age < settings.DELTA_STAGED_EXPIRY_SECONDS:
+        return False
+    lock_path = part.with_suffix(".lock")
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            for path in (part, part.with_suffix(".json"), lock_path):
+                path.unlink(missing_ok=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    logger.info("discarded a staged upload no chunk reached for %.0f s: %s", age, part)
+    return True
+
+
+def staged_expire() -> int:
+    """Beat's sweep of the staging folder: every device's stale unfinished uploads, and the lock and envelope
+    files that finished uploads leave behind once they are as old. Returns how many uploads were discarded."""
+    root = Path(settings.DELTA_STAGING_DIR)
+    if not root.is_dir():
+        return 0
+    now, expired = time.time(), 0
+    for folder in (path for path in root.iterdir() if path.is_dir()):
+        for part in folder.glob("*.part"):
+            expired += _expire(part, now)
+        for leftover in (*folder.glob("*.lock"), *folder.glob("*.json")):
+            with contextlib.suppress(FileNotFoundError, BlockingIOError):
+                if now - leftover.stat().st_mtime < settings.DELTA_STAGED_EXPIRY_SECONDS:
+                    continue
+                lock_path = leftover.with_suffix(".lock")
+                if not lock_path.exists():  # no lock, no upload of this file now (one takes the lock first)
+                    leftover.unlink()
+                    continue
+                with open(lock_path) as lock:  # read-only: a lock file is never created here
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: an upload holds it
+                    try:
+                        if not leftover.with_suffix(".part").exists():
+                            leftover.unlink()
+                    finally:
+                        fcntl.flock(lock, fcntl.LOCK_UN)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
+    return expired
 
 
 def _metrics(metrics) -> dict:

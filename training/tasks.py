@@ -51,6 +51,14 @@ def requeue_unverified_deltas() -> int:
     return len(ids)
 
 
+@shared_task(name="training.tasks.expire_staged_uploads", ignore_result=True, time_limit=600, soft_time_limit=550)
+def expire_staged_uploads() -> int:
+    """Discard unfinished uploads no chunk reached for DELTA_STAGED_EXPIRY_SECONDS (and finished ones' leftovers)."""
+    from training.intake import staged_expire
+
+    return staged_expire()
+
+
 @shared_task(name="training.tasks.aggregate_round", ignore_result=True, time_limit=3600, soft_time_limit=3500)
 def aggregate_round(round_id: int) -> int | None:
     """Aggregate a closed round: here, or split into a chord of shards when it is large. A second task for a

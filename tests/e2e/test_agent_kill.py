@@ -172,8 +172,13 @@ def outbox_rows(home: Path) -> dict[str, dict]:
     db.row_factory = sqlite3.Row
     try:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        rows = [dict(r) for r in db.execute("SELECT * FROM deltas ORDER BY counter")]
-        next_counter = db.execute("SELECT next FROM counters WHERE name = 'delta'").fetchone()
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        # Killed between creating the file and its schema (each CREATE commits alone): the next start makes the
+        # rest (CREATE TABLE IF NOT EXISTS), and nothing can be in a table made after the kill.
+        rows = [dict(r) for r in db.execute("SELECT * FROM deltas ORDER BY counter")] if "deltas" in tables else []
+        next_counter = (
+            db.execute("SELECT next FROM counters WHERE name = 'delta'").fetchone() if "counters" in tables else None
+        )
     finally:
         db.close()
     shas = [r["sha256"] for r in rows]

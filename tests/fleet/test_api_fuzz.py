@@ -34,7 +34,7 @@ RULES_BEYOND_THE_SCHEMA = {
     "POST /api/v1/enrollment-tokens/": "cohort must name an existing cohort; expires_at must be in the future",
     "PATCH /api/v1/devices/{id}/": "cohort must name an existing cohort",
     "POST /api/v1/base-models/": "the name must be new; family must name an importable model family",
-    "POST /api/v1/adapters/": "base_model and cohorts must exist; target modules must exist in the base model",
+    "POST /api/v1/adapters/": "base_model, cohorts and target modules must exist; aggregation settings valid together",
     "POST /api/v1/adapters/{id}/versions/import/": "adapter_model must be a safetensors file matching the adapter",
     "PUT /api/v1/adapters/{id}/aggregation/": "settings depend on each other (min_deltas ≤ buffer_size, ...)",
     "POST /api/v1/rollouts/": "version and cohort must exist; phase percents must rise",

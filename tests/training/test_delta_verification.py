@@ -334,3 +334,58 @@ def test_verifying_an_accepted_delta_takes_a_bounded_number_of_queries(setup, dj
     with django_assert_max_num_queries(12):
         verified = delta_verify(delta_id=delta.pk)
     assert verified.state == Delta.State.ACCEPTED
+
+
+@pytest.mark.django_db
+def test_abandoned_uploads_hold_a_devices_slots_only_until_they_expire(setup, settings):
+    import os
+    import time
+    from pathlib import Path
+
+    from training.intake import MAX_STAGED_PER_DEVICE
+    from training.tasks import expire_staged_uploads
+
+    adapter, _, device, client = setup
+    staging = Path(settings.DELTA_STAGING_DIR) / str(device.id)
+
+    def begin(seed):
+        data = encode_delta(small_delta(adapter, seed=seed))
+        signed = sign_delta(
+            device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=seed
+        )
+        return upload(client, data[:100], signed, HTTP_CONTENT_RANGE=f"bytes 0-99/{len(data)}"), signed
+
+    def age(paths, seconds):
+        for path in paths:
+            then = time.time() - seconds
+            os.utime(path, (then, then))
+
+    finished = send(setup, encode_delta(small_delta(adapter, seed=20)), counter=20, verify=False)
+    leftover_lock = staging / f"{finished.sha256}.lock"  # what a finished upload leaves behind
+    assert leftover_lock.exists()
+    for seed in range(1, MAX_STAGED_PER_DEVICE + 1):
+        assert begin(seed)[0].json()["state"] == "uploading"
+    refused, _ = begin(10)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_uploads"
+    assert len(list(staging.glob("*.part"))) == MAX_STAGED_PER_DEVICE
+
+    # One abandoned upload goes stale: the next upload takes its slot, the fresh ones are kept.
+    stale = sorted(staging.glob("*.part"))[0]
+    age([stale], settings.DELTA_STAGED_EXPIRY_SECONDS + 1)
+    taken, signed = begin(11)
+    assert taken.status_code == 200 and taken.json()["offset"] == 100
+    assert not stale.exists() and not stale.with_suffix(".json").exists()
+    assert len(list(staging.glob("*.part"))) == MAX_STAGED_PER_DEVICE
+    resumed = client.get(f"/api/v1/device/deltas/{stale.stem}/")
+    assert resumed.status_code == 404  # the device starts that file over
+
+    # Beat's sweep: stale uploads go, with the lock and envelope files that finished uploads leave behind.
+    assert expire_staged_uploads() == 0  # nothing is old yet
+    age(staging.glob("*"), settings.DELTA_STAGED_EXPIRY_SECONDS + 1)
+    keep = staging / f"{signed['envelope']['sha256']}.part"
+    age([keep], 0)
+    assert expire_staged_uploads() == MAX_STAGED_PER_DEVICE - 1
+    kept = sorted(path.name for path in staging.iterdir())
+    assert kept == sorted(f"{signed['envelope']['sha256']}{suffix}" for suffix in (".json", ".lock", ".part"))
+    assert not leftover_lock.exists()
+    assert Delta.objects.filter(sha256=finished.sha256).exists()  # a stored delta is not the sweep's business

@@ -201,6 +201,33 @@ def test_an_adapter_on_a_module_that_is_not_a_layer_is_refused(api_client_for, b
 
 
 @pytest.mark.django_db
+def test_an_adapter_is_created_only_with_aggregation_settings_a_round_can_run(api_client_for, base_model):
+    from training.models import Adapter
+
+    admin = api_client_for("admin")
+    body = {"name": "agg", "base_model": base_model.name, "rank": 2, "alpha": 4}
+    for bad, says in (
+        ({"strategy": "magic"}, "unknown strategy"),
+        ({"strategy": "krum", "byzantine": "two"}, "byzantine must be"),
+        ({"strategy": "multi_krum", "multi_k": 0}, "multi_k must be"),
+        ({"strategy": "trimmed_mean", "trim_ratio": "0.2"}, "trim_ratio must be"),
+        ({"strategy": "trimmed_mean", "trim_ratio": 0.5}, "trim_ratio must be"),
+        ({"clip_norm": -1}, "clip_norm must be"),
+        ({"max_staleness": True}, "max_staleness must be"),
+        ({"buffer_size": 2, "min_deltas": 3}, "min_deltas cannot be above buffer_size"),
+        ({"nonsense": 1}, "unknown aggregation settings"),
+        (["median"], "must be a JSON object"),
+    ):
+        response = admin.post("/api/v1/adapters/", {**body, "aggregation": bad}, format="json")
+        assert response.status_code == 400, (bad, response.content)
+        assert says in str(response.json()["error"]), (bad, response.json())
+    assert not Adapter.objects.filter(name="agg").exists()
+    good = {"strategy": "multi_krum", "byzantine": 2, "trim_ratio": 0.2}
+    created = admin.post("/api/v1/adapters/", {**body, "aggregation": good}, format="json")
+    assert created.status_code == 201 and created.json()["aggregation"] == good
+
+
+@pytest.mark.django_db
 def test_base_model_with_uploaded_weights_must_match_the_family(api_client_for):
     from edge_agent.families import get_family
 

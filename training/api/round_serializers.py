@@ -2,6 +2,7 @@ from rest_framework import serializers
 
 from fleet.api.serializers import JsonObjectField, StrictTypesMixin
 from training.aggregation_settings import validate_aggregation, validate_dp
+from training.api.serializers import settings_checked
 from training.models import Adapter, Delta, Round
 
 
@@ -86,20 +87,10 @@ class AggregationConfigSerializer(StrictTypesMixin, serializers.Serializer):
     dp = JsonObjectField(required=False, help_text="server-side DP settings and epsilon budget")
 
     def validate_aggregation(self, value):
-        if not isinstance(value, dict):
-            raise serializers.ValidationError("must be a JSON object")
-        try:
-            return validate_aggregation(value)
-        except ValueError as exc:
-            raise serializers.ValidationError(str(exc)) from None
+        return settings_checked(value, validate_aggregation)
 
     def validate_dp(self, value):
-        if not isinstance(value, dict):
-            raise serializers.ValidationError("must be a JSON object")
-        try:
-            return validate_dp(value)
-        except ValueError as exc:
-            raise serializers.ValidationError(str(exc)) from None
+        return settings_checked(value, validate_dp)
 
 
 class DeviceDeltaStateSerializer(serializers.Serializer):

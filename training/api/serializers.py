@@ -3,6 +3,7 @@ from rest_framework import serializers
 
 from devices.models import Cohort
 from fleet.api.serializers import JsonObjectField, StrictTypesMixin
+from training.aggregation_settings import validate_aggregation
 from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
 
 
@@ -42,6 +43,16 @@ class BaseModelCreateSerializer(StrictTypesMixin, serializers.Serializer):
 @extend_schema_field({"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 64})
 class ModuleNamesField(serializers.JSONField):
     """Module names, checked by AdapterSerializer._names."""
+
+
+def settings_checked(value, check):
+    """An adapter's aggregation or DP settings, a JSON object checked by ``check`` (ValueError: a 400)."""
+    if not isinstance(value, dict):
+        raise serializers.ValidationError("must be a JSON object")
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise serializers.ValidationError(str(exc)) from None
 
 
 class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
@@ -88,6 +99,9 @@ class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
         if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value) or len(value) > 64:
             raise serializers.ValidationError(f"{field} must be a list of module names")
         return value
+
+    def validate_aggregation(self, value):
+        return settings_checked(value, validate_aggregation)
 
     def validate_target_modules(self, value):
         return self._names(value, "target_modules")
