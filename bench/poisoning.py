@@ -41,7 +41,7 @@ from training.strategies.base import delta_norm
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BASES = ("fedavg", "trimmed_mean", "median", "krum", "multi_krum")
-DEFAULT_STRATEGIES = ("fedavg", "fedavg+clip", "trimmed_mean", "median", "krum", "multi_krum", "median+clip")
+DEFAULT_STRATEGIES = ("fedavg", "fedavg+clip", "trimmed_mean", "median", "krum", "multi_krum")
 NO_ATTACK = "none"
 
 
@@ -174,19 +174,26 @@ def summarize(results: list[dict], strategies: list[str], scenarios: list[tuple[
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = [
-        "| attack | attackers | strategy | accuracy % (final) | worst class % (final) | backdoor success % |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        accuracy = pct(row["accuracy"])
-        if row["seeds"] > 1:
-            accuracy += f" ({pct(row['accuracy_min'])}-{pct(row['accuracy_max'])}, {row['seeds']} seeds)"
-        backdoor = pct(row["backdoor_success"]) if row["attack"] == "backdoor" else "-"
-        who = f"{row['attackers']} ({row['fraction']:.0%})"
-        lines.append(
-            f"| {row['attack']} | {who} | {row['strategy']} | {accuracy} | {pct(row['worst_class'])} | {backdoor} |"
-        )
+    """One line per attack and attacker share, one column per strategy: final accuracy / worst class accuracy
+    (/ backdoor success), in %; the no-attack line is the mean over its seeds, with their range."""
+    strategies = list(dict.fromkeys(row["strategy"] for row in rows))
+    scenarios = list(dict.fromkeys((row["attack"], row["fraction"], row["attackers"]) for row in rows))
+    by = {(row["strategy"], row["attack"], row["attackers"]): row for row in rows}
+    lines = ["| attack | attackers | " + " | ".join(strategies) + " |", "|---|---|" + "---|" * len(strategies)]
+    for attack, fraction, count in scenarios:
+        cells = []
+        for strategy in strategies:
+            row = by.get((strategy, attack, count))
+            if row is None:
+                cells.append("")
+                continue
+            cell = f"{pct(row['accuracy'])} / {pct(row['worst_class'])}"
+            if attack == "backdoor":
+                cell += f" / bd {pct(row['backdoor_success'])}"
+            if row["seeds"] > 1:
+                cell += f" ({pct(row['accuracy_min'])}-{pct(row['accuracy_max'])})"
+            cells.append(cell)
+        lines.append(f"| {attack} | {count} ({fraction:.0%}) | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -275,8 +282,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--strategies", default=",".join(DEFAULT_STRATEGIES), help=f"of {', '.join(BASES)}, each optionally +clip"
     )
-    parser.add_argument("--trim-ratio", type=float, default=0.3, help="trimmed_mean's trim_ratio (per side)")
-    parser.add_argument("--byzantine", type=int, help="Krum's f (default: 30%% of --devices, rounded up)")
+    # The robust strategies are set up for the attacker share the targets are about (20%): an operator sets
+    # trim_ratio and Krum's f to the share of devices they defend against; more costs accuracy without attack.
+    parser.add_argument("--trim-ratio", type=float, default=0.2, help="trimmed_mean's trim_ratio (per side)")
+    parser.add_argument("--byzantine", type=int, help="Krum's f (default: 20%% of --devices, rounded up)")
     parser.add_argument(
         "--clip-norm", type=float, help="clip_norm of the +clip strategies (default: the round's median delta norm)"
     )
@@ -290,7 +299,13 @@ def parse_args(argv=None):
         "--quick", action="store_true", help="a smoke run: 4 rounds, no attack, scale and backdoor at 20%%"
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "poisoning.json")
-    parser.add_argument("--from-json", type=Path, help="print the table and verdicts of an earlier run's JSON file")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        help="print the table and verdicts of earlier runs' JSON files (several: their runs together, e.g. the "
+        "attacks split over two processes)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.baseline_seeds, args.fractions, args.attacks = 4, 1, "0.2", "scale,backdoor"
@@ -301,7 +316,7 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"unknown attack or strategy: {unknown}")
     if args.byzantine is None:
-        args.byzantine = math.ceil(0.3 * args.devices - 1e-9)
+        args.byzantine = math.ceil(0.2 * args.devices - 1e-9)
     return args
 
 
@@ -365,8 +380,10 @@ def report(data: dict) -> None:
     print(f"`{data['command']}`\n")
     print("\n".join(table(data["rows"])))
     print(
-        f"\nAccuracy on the server's test split ({settings['test_images']} images) after the last round; worst class "
-        "= the lowest per-class accuracy of that final model; backdoor success = share of triggered test images not "
+        f"\nEach cell: accuracy % / worst class % (/ bd: backdoor success %) of the final model on the server's test "
+        f"split ({settings['test_images']} images); the no-attack line is the mean of {settings['baseline_seeds']} "
+        "seeds (their accuracy range in brackets). Worst class = the lowest per-class accuracy; backdoor success = "
+        "share of triggered test images not "
         f"of class {settings['backdoor_target']} classified as {settings['backdoor_target']}. Settings: trimmed_mean "
         f"trim_ratio {settings['trim_ratio']}, krum / multi_krum byzantine f={settings['byzantine']}, +clip: "
         f"clip_norm = {settings['clip_norm']}, verification max_norm {settings['max_norm']:g}.\n"
@@ -381,10 +398,39 @@ def report(data: dict) -> None:
     )
 
 
+def merged(parts: list[dict]) -> dict:
+    """Several runs' JSON as one: their runs together, rows summarized again. The settings must agree (but for
+    what each part ran); the time is the longest part's, as the parts run side by side."""
+    if len(parts) == 1:
+        return parts[0]
+    differ = {"baseline_seeds", "attackers_order"}
+    first = {k: v for k, v in parts[0]["settings"].items() if k not in differ}
+    for part in parts[1:]:
+        other = {k: v for k, v in part["settings"].items() if k not in differ}
+        if other != first:
+            changed = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+            raise SystemExit(f"these runs used different settings ({', '.join(changed)}): not merged")
+    runs = [run for part in parts for run in part["runs"]]
+    strategies = list(dict.fromkeys(run["strategy"] for run in runs))
+    scenarios = {(NO_ATTACK, 0.0, 0)}
+    devices = first["devices"]
+    scenarios |= {(r["attack"], len(r["attackers"]) / devices, len(r["attackers"])) for r in runs if r["attackers"]}
+    order = sorted(scenarios, key=lambda s: (s[0] != NO_ATTACK, ATTACKS.index(s[0]) if s[0] in ATTACKS else 0, s[2]))
+    return {
+        **parts[0],
+        "command": " ; ".join(part["command"] for part in parts),
+        "seconds": max(part["seconds"] for part in parts),
+        "load_after": max((part["load_after"] for part in parts), key=lambda load: load[0]),
+        "settings": {**parts[0]["settings"], "baseline_seeds": max(p["settings"]["baseline_seeds"] for p in parts)},
+        "rows": summarize(runs, strategies, order),
+        "runs": runs,
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        report(json.loads(args.from_json.read_text()))
+        report(merged([json.loads(path.read_text()) for path in args.from_json]))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
