@@ -155,6 +155,27 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
     return UploadState(sha256, size, offset)
 
 
+@contextmanager
+def _lock_if_free(lock_path: Path, *, create: bool):
+    """Yields True holding the lock at ``lock_path`` if no one holds it (or, without ``create``, if there is no
+    lock file: an upload takes its lock before it touches anything), False if someone does."""
+    try:
+        lock = open(lock_path, "a" if create else "r")  # noqa: SIM115  (closed below)
+    except FileNotFoundError:
+        yield True
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _expire(part: Path, now: float | None = None) -> bool:
     """Discard a staged upload (its part, envelope and lock files) that no chunk reached for
     DELTA_STAGED_EXPIRY_SECONDS; True if it is gone. Only when no one holds its lock: an upload being written
@@ -166,16 +187,11 @@ def _expire(part: Path, now: float | None = None) -> bool:
     if age < settings.DELTA_STAGED_EXPIRY_SECONDS:
         return False
     lock_path = part.with_suffix(".lock")
-    with open(lock_path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    with _lock_if_free(lock_path, create=True) as free:
+        if not free:
             return False
-        try:
-            for path in (part, part.with_suffix(".json"), lock_path):
-                path.unlink(missing_ok=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        for path in (part, part.with_suffix(".json"), lock_path):
+            path.unlink(missing_ok=True)
     logger.info("discarded a staged upload no chunk reached for %.0f s: %s", age, part)
     return True
 
@@ -191,20 +207,12 @@ def staged_expire() -> int:
         for part in folder.glob("*.part"):
             expired += _expire(part, now)
         for leftover in (*folder.glob("*.lock"), *folder.glob("*.json")):
-            with contextlib.suppress(FileNotFoundError, BlockingIOError):
+            with contextlib.suppress(FileNotFoundError):
                 if now - leftover.stat().st_mtime < settings.DELTA_STAGED_EXPIRY_SECONDS:
                     continue
-                lock_path = leftover.with_suffix(".lock")
-                if not lock_path.exists():  # no lock, no upload of this file now (one takes the lock first)
-                    leftover.unlink()
-                    continue
-                with open(lock_path) as lock:  # read-only: a lock file is never created here
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: an upload holds it
-                    try:
-                        if not leftover.with_suffix(".part").exists():
-                            leftover.unlink()
-                    finally:
-                        fcntl.flock(lock, fcntl.LOCK_UN)
+                with _lock_if_free(leftover.with_suffix(".lock"), create=False) as free:
+                    if free and not leftover.with_suffix(".part").exists():
+                        leftover.unlink()
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when empty
     return expired
