@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--profile-waits", action="store_true", help="with --profile: count blocked threads too (py-spy --idle)"
     )
+    parser.add_argument(
+        "--profile-gil", action="store_true", help="with --profile: only the thread holding the GIL (py-spy --gil)"
+    )
     parser.add_argument("--server", help="an already running server (http://host:port) instead of starting one")
     parser.add_argument("--admin-token", default=os.environ.get("FLEET_ADMIN_TOKEN"), help="with --server")
     parser.add_argument("--ready-timeout", type=float, default=180.0)
@@ -234,7 +237,11 @@ class Run:
         while not stats.recording:  # start with the measured window, end with it
             await asyncio.sleep(0.2)
         files = await profiling.record(
-            groups(), self.args.duration - 2, PROFILE_DIR / name, waits=self.args.profile_waits
+            groups(),
+            self.args.duration - 2,
+            PROFILE_DIR / name,
+            waits=self.args.profile_waits,
+            gil=self.args.profile_gil,
         )
         return {name: profiling.fold(paths) for name, paths in files.items()}
 

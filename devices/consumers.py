@@ -13,6 +13,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -126,6 +127,15 @@ def _delta_append(device: Device, sha256: str, offset: int, data: bytes):
 
 class AgentConsumer(AsyncWebsocketConsumer):
     device_id: str | None = None
+
+    async def dispatch(self, message):
+        """As Channels' own, without its ``close_old_connections`` before every message: that is a hop to the
+        thread-sensitive sync thread for each heartbeat, chunk and push, and this consumer holds no connection
+        between messages (``_socket_db`` hands its connection back after each call)."""
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']!r}")
+        await handler(message)
 
     async def connect(self):
         self.nonce = new_nonce()

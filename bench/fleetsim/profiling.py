@@ -23,10 +23,12 @@ def py_spy() -> str | None:
 
 
 async def record(
-    groups: dict[str, list], seconds: float, folder: Path, rate: int = 97, waits: bool = False
+    groups: dict[str, list], seconds: float, folder: Path, rate: int = 97, waits: bool = False, gil: bool = False
 ) -> dict[str, list[Path]]:
     """Sample every process of every group for ``seconds``; the raw files per group. ``waits``: also the
-    threads blocked in a system call (py-spy ``--idle``), so time spent waiting on PostgreSQL or Redis shows."""
+    threads blocked in a system call (py-spy ``--idle``), so time spent waiting on PostgreSQL or Redis shows.
+    ``gil``: only the thread holding the GIL (py-spy ``--gil``), which is where the process's Python CPU goes
+    (threads waiting for the GIL otherwise count as busy)."""
     executable = py_spy()
     if executable is None:
         raise RuntimeError("py-spy is not installed: .venv/bin/pip install py-spy")
@@ -39,6 +41,7 @@ async def record(
             files.setdefault(name, []).append(out)
             command = [executable, "record", "--nonblocking", "--format", "raw", "-r", str(rate)]
             command += ["--idle"] if waits else []
+            command += ["--gil"] if gil else []
             command += ["-d", str(int(seconds)), "-p", str(process.pid), "-o", str(out)]
             runs.append(
                 await asyncio.create_subprocess_exec(
