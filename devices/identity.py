@@ -19,6 +19,7 @@ from django.core.cache import cache
 from devices.errors import DeviceAuthFailed
 from devices.models import Device, DeviceEvent, DeviceStatus
 from edge_agent.protocol import b64encode, public_key_from_b64, token_request_payload, verify
+from fleet.queries import only_row
 
 TOKEN_SALT = "devices.device-token"  # noqa: S105  (a signing namespace, not a secret)
 NONCE_TTL_SECONDS = 60
@@ -39,7 +40,7 @@ def _parse_device_id(raw) -> uuid.UUID:
 def device_verify(*, device_id, payload: dict, signature) -> Device:
     """Load the device and check the signature with its enrolled key. Status is checked separately."""
     parsed = _parse_device_id(device_id)
-    device = Device.objects.select_related("cohort").filter(pk=parsed).first()
+    device = only_row(Device.objects.select_related("cohort").filter(pk=parsed))
     if device is None:
         raise DeviceAuthFailed("auth_failed", "Unknown device or bad signature.", status_code=401)
     if not isinstance(signature, str) or not verify(public_key_from_b64(device.public_key), payload, signature):

@@ -26,8 +26,9 @@ HELLO_TIMEOUT_SECONDS = 10
 # Raw bytes per delta_chunk: base64 makes 60,000 characters, inside MAX_MESSAGE_BYTES with the JSON around.
 DELTA_CHUNK_BYTES = 45_000
 # A delta chunk may also travel as a binary frame (``encode_chunk_frame``): the raw bytes after a short
-# header, no base64 and no JSON around them, so a 300 KiB delta is two frames instead of seven.
-DELTA_BINARY_CHUNK_BYTES = 256 * 1024
+# header, no base64 and no JSON around them, so a 300 KiB delta is one frame instead of seven (each frame is
+# a stop-and-wait round trip and a step on the server; 512 KiB keeps a resend after a dropped link short).
+DELTA_BINARY_CHUNK_BYTES = 512 * 1024
 CHUNK_FRAME_MAGIC = b"FPD1"
 MAX_CHUNK_FRAME_HEADER = 256
 MAX_BINARY_MESSAGE_BYTES = DELTA_BINARY_CHUNK_BYTES + len(CHUNK_FRAME_MAGIC) + 2 + MAX_CHUNK_FRAME_HEADER

@@ -385,6 +385,9 @@ CELERY_BEAT_SCHEDULE["close-due-rounds"] = {
 # A delta still `received` this long after it arrived lost its verification task (a worker or the broker went
 # away before the task was queued or acknowledged); a beat task queues it again.
 DELTA_VERIFY_RESCUE_SECONDS = env_int("DELTA_VERIFY_RESCUE_SECONDS", 300, minimum=10)
+# Received deltas are verified by one drain task per shard at a time (training/verify_queue.py): shards are
+# how many workers verify at once; more than the worker processes is harmless.
+DELTA_VERIFY_SHARDS = env_int("DELTA_VERIFY_SHARDS", 4, minimum=1, maximum=64)
 CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
     "task": "training.tasks.requeue_unverified_deltas",
     "schedule": float(min(DELTA_VERIFY_RESCUE_SECONDS, 60)),

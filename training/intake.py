@@ -28,7 +28,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from edge_agent.delta import parse_envelope
-from training.blobs import blob_put_file
+from fleet.queries import only_row
+from training.blobs import blob_put_bytes, blob_put_file
 from training.live import announce_delta
 from training.models import Delta
 
@@ -80,7 +81,7 @@ def _locked(path: Path):
 
 
 def _existing(device, sha256: str) -> Delta | None:
-    return Delta.objects.filter(device=device, sha256=sha256).exclude(rejection_code="hash_mismatch").first()
+    return only_row(Delta.objects.filter(device=device, sha256=sha256).exclude(rejection_code="hash_mismatch"))
 
 
 def _row(device, envelope: dict, signature: str, channel: str, **fields) -> Delta:
@@ -267,23 +268,30 @@ def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str
             )
             announce_delta(delta)
             return UploadState(sha256, size, size, delta)
-        # No fsync per chunk: a part file torn by a crash fails the sha256 check at the end, is kept as a
-        # `hash_mismatch` rejection, and the device may upload the same file again.
-        with open(part, "ab") as handle:
-            handle.write(data)
-        have += len(data)
-        if have < size:
-            return UploadState(sha256, size, have)
-        delta = _finish(device, part, staged, channel)
+        if have == 0 and len(data) == size:  # the whole file in one chunk: stored from memory, no part file
+            delta = _finish(device, staged, channel, data=data)
+        else:
+            # No fsync per chunk: a part file torn by a crash fails the sha256 check at the end, is kept as a
+            # `hash_mismatch` rejection, and the device may upload the same file again.
+            with open(part, "ab") as handle:
+                handle.write(data)
+            have += len(data)
+            if have < size:
+                return UploadState(sha256, size, have)
+            delta = _finish(device, staged, channel, part=part)
         part.unlink(missing_ok=True)
         meta.unlink(missing_ok=True)
     return UploadState(sha256, size, size, delta)
 
 
-def _finish(device, part: Path, staged: dict, channel: str) -> Delta:
+def _finish(device, staged: dict, channel: str, *, part: Path | None = None, data: bytes | None = None) -> Delta:
+    """Store the complete file (from its part file, or ``data`` when it came in one chunk) and its row."""
     envelope = staged["envelope"]
-    with open(part, "rb") as handle:
-        blob = blob_put_file(handle)  # kept even when the hash is wrong: rejected deltas stay for forensics
+    if data is not None:
+        blob = blob_put_bytes(data)  # kept even when the hash is wrong: rejected deltas stay for forensics
+    else:
+        with open(part, "rb") as handle:
+            blob = blob_put_file(handle)
     actual = blob.sha256
     fields: dict = {"blob_sha256": blob.sha256, "metrics": staged.get("metrics") or {}}
     if actual != envelope["sha256"]:
@@ -294,9 +302,9 @@ def _finish(device, part: Path, staged: dict, channel: str) -> Delta:
         )
     delta = _row(device, envelope, staged["signature"], channel, **fields)
     if delta.state == Delta.State.RECEIVED:
-        from training.tasks import verify_delta
+        from training.verify_queue import queue_verification
 
-        transaction.on_commit(lambda: verify_delta.delay(delta.pk))
+        transaction.on_commit(lambda: queue_verification(delta.pk))
     announce_delta(delta)
     return delta
 

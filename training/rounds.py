@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from devices.models import Device, DeviceStatus
 from fleet.api.errors import ApiError
+from fleet.queries import only_row
 from training.aggregation_settings import STRATEGY_PARAMS, aggregation_settings, dp_settings
 from training.models import Adapter, AdapterVersion, Delta, Round
 from training.services import _record
@@ -122,7 +123,7 @@ def _round_create(*, adapter, actor, buffer_size, min_deltas, timeout_seconds) -
 
 
 def _collecting(adapter_id: int) -> Round | None:
-    return Round.objects.select_for_update().filter(adapter_id=adapter_id, state=Round.State.COLLECTING).first()
+    return only_row(Round.objects.select_for_update().filter(adapter_id=adapter_id, state=Round.State.COLLECTING))
 
 
 def round_admit(*, delta: Delta) -> Round | None:
@@ -239,7 +240,7 @@ def close_due_rounds() -> int:
     due = Round.objects.filter(state=Round.State.COLLECTING, deadline__lte=timezone.now()).values_list("pk", flat=True)
     for pk in list(due):
         with transaction.atomic():
-            round_ = Round.objects.select_for_update().filter(pk=pk, state=Round.State.COLLECTING).first()
+            round_ = only_row(Round.objects.select_for_update().filter(pk=pk, state=Round.State.COLLECTING))
             if round_ is not None and _close_if_due(round_):
                 closed += 1
     return closed

@@ -4,6 +4,7 @@ nothing twice."""
 
 from celery import chord, shared_task
 from django.db import InterfaceError, OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from training.models import Rollout
 
@@ -38,6 +39,24 @@ def verify_delta(delta_id: int) -> str | None:
 
     delta = delta_verify(delta_id=delta_id)
     return delta.state if delta is not None else None
+
+
+@shared_task(
+    name="training.tasks.verify_shard",
+    ignore_result=True,
+    time_limit=300,
+    soft_time_limit=280,
+    autoretry_for=(ConnectionError, RedisConnectionError, OperationalError, InterfaceError),
+    retry_backoff=2,
+    retry_backoff_max=60,
+    retry_jitter=True,
+    max_retries=8,
+)
+def verify_shard(shard: int) -> int:
+    """Verify one shard's received deltas in batches (``training.verify_queue``); how many were verified."""
+    from training.verify_queue import shard_drain
+
+    return shard_drain(shard)
 
 
 @shared_task(name="training.tasks.requeue_unverified_deltas", ignore_result=True, time_limit=60, soft_time_limit=50)

@@ -23,6 +23,7 @@ from safetensors.torch import load as load_safetensors
 from devices.models import DeviceStatus
 from edge_agent.delta import ENCODINGS, decode_tensor, read_encoding
 from edge_agent.protocol import public_key_from_b64, verify
+from fleet.queries import only_row
 from training.aggregation_settings import aggregation_settings
 from training.artifacts import ArtifactRejected, check_spec, read_header
 from training.blobs import blob_read
@@ -76,14 +77,12 @@ def _check_device(delta: Delta) -> Adapter:
         raise Rejection("bad_signature", "the envelope's signature does not verify with this device's key")
     if device.status != DeviceStatus.ACTIVE:
         raise Rejection("device_not_active", f"the device is {device.status}; only active devices may contribute")
-    adapter = (
-        Adapter.objects.filter(name=delta.adapter_name)
-        .annotate(
+    adapter = only_row(
+        Adapter.objects.filter(name=delta.adapter_name).annotate(
             trains_cohort=Exists(
                 Adapter.cohorts.through.objects.filter(adapter=OuterRef("pk"), cohort=device.cohort_id)
             )
         )
-        .first()
     )
     if adapter is None:
         raise Rejection("unknown_adapter", f"there is no adapter {delta.adapter_name!r}")
@@ -101,7 +100,7 @@ def _check_base(delta: Delta, adapter: Adapter) -> AdapterVersion:
         .order_by("-number")
         .values("number")[:1]
     )
-    base = adapter.versions.filter(number=delta.base_version_number).annotate(newest_number=Subquery(newest)).first()
+    base = only_row(adapter.versions.filter(number=delta.base_version_number).annotate(newest_number=Subquery(newest)))
     if base is None or base.state == AdapterVersion.State.REVOKED:
         what = "does not exist" if base is None else "was revoked"
         raise Rejection("unknown_base_version", f"{adapter.name} v{delta.base_version_number} {what}")
@@ -156,9 +155,13 @@ def delta_verify(*, delta_id: int) -> Delta | None:
     comes after the checks that precede it in DESIGN.md's order (bytes, signature, device, adapter), so a
     delta that fails a later check still uses up its counter, and a replay is caught by the database's
     ``UNIQUE(device, counter)`` however close together the two arrive."""
-    delta = Delta.objects.select_related("device__cohort").filter(pk=delta_id, state=Delta.State.RECEIVED).first()
-    if delta is None:
-        return None
+    delta = only_row(Delta.objects.select_related("device__cohort").filter(pk=delta_id, state=Delta.State.RECEIVED))
+    return None if delta is None else delta_verify_loaded(delta)
+
+
+def delta_verify_loaded(delta: Delta) -> Delta | None:
+    """``delta_verify`` for a delta already loaded, ``received``, with its device and cohort (a batch of
+    ``training.verify_queue``); None if it was verified meanwhile."""
     try:
         data = _check_bytes(delta)
         adapter = _check_device(delta)

@@ -7,7 +7,7 @@ full jitter) after a drop. When the simulator's scheduler picks it, it uploads i
 each time, ``deltas.AgentDelta``) one of two ways:
 
 - ``ws``: over its socket, as ``edge_agent.connection.DeltaUploader`` does: ``delta_begin``, then one
-  binary chunk frame (256 KiB of raw bytes, ``encode_chunk_frame``) per ``delta_state`` answer, each
+  binary chunk frame (512 KiB of raw bytes, ``encode_chunk_frame``) per ``delta_state`` answer, each
   acknowledged with the new offset.
   After a drop the next session begins again and the server says from which offset to go on.
 - ``rest``: ``PUT /api/v1/device/deltas/<sha256>/`` with a device token (``/device-auth/challenge/`` +
@@ -63,7 +63,7 @@ class IngestConfig:
     result_timeout: float
     backoff_cap: float
     num_samples: int = 64
-    chunk_bytes: int = DELTA_BINARY_CHUNK_BYTES  # bytes per binary chunk frame (the edge agent sends 256 KiB)
+    chunk_bytes: int = DELTA_BINARY_CHUNK_BYTES  # bytes per binary chunk frame (the edge agent sends 512 KiB)
 
 
 class IngestStats:

@@ -448,9 +448,7 @@ def _bravo_finished_upload(world: World) -> tuple[bytes, dict]:
 def _no_verification(monkeypatch):
     """As in tests/training/test_delta_socket.py: a verification task queued by an upload in these tests
     would reach the session's Celery worker, if one runs, and change a delta between two snapshots."""
-    from training.tasks import verify_delta
-
-    monkeypatch.setattr(verify_delta, "delay", lambda delta_id: None)
+    monkeypatch.setattr("training.verify_queue.queue_verification", lambda delta_id: None)
 
 
 def _only_new_events(before: dict, after: dict) -> list[tuple[str, str]]:

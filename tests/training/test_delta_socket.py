@@ -30,9 +30,7 @@ def _no_verification(monkeypatch):
     """These tests are about the transfer. A verification task queued by an upload would reach the session's
     Celery worker, if one runs, and could still be reading these tables when the test's flush truncates them
     (a deadlock PostgreSQL resolves by failing the flush); verification has its own tests."""
-    from training.tasks import verify_delta
-
-    monkeypatch.setattr(verify_delta, "delay", lambda delta_id: None)
+    monkeypatch.setattr("training.verify_queue.queue_verification", lambda delta_id: None)
 
 
 async def connected(device):

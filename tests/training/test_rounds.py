@@ -188,14 +188,14 @@ def test_a_delta_whose_verification_task_was_lost_is_queued_again_and_verified_o
 
     from django.utils import timezone
 
-    from training.tasks import requeue_unverified_deltas, verify_delta
+    from training.tasks import requeue_unverified_deltas
 
     adapter, _, devices = trained
     # The upload commits but its verification task never reaches the broker (the web process died, or Redis
     # was away, between the commit and the publish).
     lost = []
     with monkeypatch.context() as patch:
-        patch.setattr(verify_delta, "delay", lambda delta_id: lost.append(delta_id))
+        patch.setattr("training.verify_queue.queue_verification", lambda delta_id: lost.append(delta_id))
         delta = receive(devices[0], adapter, make_delta_tensors(adapter, seed=70), counter=1)
     assert lost == [delta.pk]
     recent = receive(devices[1], adapter, make_delta_tensors(adapter, seed=71), counter=1)

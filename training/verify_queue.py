@@ -1,0 +1,127 @@
+"""Waking the verification workers: a drain task per shard of received deltas instead of a task per delta.
+
+An upload that completes raises its shard's wake flag (``queue_verification``, a Redis ``SET NX``); only
+the upload that raised it queues a ``verify_shard`` task. That task (``shard_drain``), holding the shard's
+drain lock, lowers the flag, verifies the shard's received deltas in batches and looks again until none are
+left, so under load one task verifies many deltas: one Celery message and one query per batch, not per
+delta (measured in bench/fleet_simulator.py). Each delta is still verified by ``delta_verify``'s own
+transaction, so what a delta's outcome is and how it joins a round does not change.
+
+Nothing is lost between a flag and a drainer: the drainer lowers the flag before it looks for deltas, and
+after it lets go of the lock it looks at the flag once more, so a delta committed while it finished is
+either seen by its last look or raised the flag after it, and then either this drainer goes on or the task
+that upload queued finds the lock free. A drain task that is lost (a worker killed) leaves its deltas
+``received``: beat's ``requeue_unverified_deltas`` verifies them one by one after
+DELTA_VERIFY_RESCUE_SECONDS, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db.models import F
+
+logger = logging.getLogger(__name__)
+BATCH = 16  # deltas loaded per query; each is verified in its own transaction
+DRAIN_SECONDS = 2.0  # then the drainer hands its shard to a fresh task, so aggregation gets a process too
+LOCK_SECONDS = 30  # renewed after each delta; a drainer that died (a killed worker) frees its shard after this
+WAKE_SECONDS = 10  # a wake whose task was lost stops holding back new ones after this
+
+
+def shard_of(delta_id: int) -> int:
+    return delta_id % settings.DELTA_VERIFY_SHARDS
+
+
+def _flag(shard: int) -> str:
+    return f"verify:wake:{shard}"
+
+
+def _lock(shard: int) -> str:
+    return f"verify:drain:{shard}"
+
+
+def queue_verification(delta_id: int) -> None:
+    """Have a received delta verified: wake its shard's drainer unless it is awake already."""
+    from training.tasks import verify_shard
+
+    shard = shard_of(delta_id)
+    try:
+        if cache.add(_flag(shard), delta_id, timeout=WAKE_SECONDS):
+            try:
+                verify_shard.delay(shard)
+            except Exception:
+                cache.delete(_flag(shard))  # let the next upload try; if Redis is away this fails too
+                raise
+    except Exception:  # Redis away: the delta stays `received`; beat's rescue verifies it later
+        logger.warning("could not queue verification of delta %s", delta_id, exc_info=True)
+
+
+def _received(shard: int, failed: set[int]) -> list:
+    from training.models import Delta
+
+    return list(
+        Delta.objects.select_related("device__cohort")
+        .filter(state=Delta.State.RECEIVED)
+        .alias(shard=F("id") % settings.DELTA_VERIFY_SHARDS)
+        .filter(shard=shard)
+        .exclude(pk__in=failed)
+        .order_by("id")[:BATCH]
+    )
+
+
+def _verify(delta, failed: set[int]) -> None:
+    """One delta of a batch. The database or Redis away fails the task (Celery retries it); anything else is
+    this delta's own trouble: it is logged and left `received` for the rescue, and the batch goes on."""
+    from django.db import InterfaceError, OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from training.verification import delta_verify_loaded
+
+    try:
+        delta_verify_loaded(delta)
+    except (OperationalError, InterfaceError, ConnectionError, RedisConnectionError):
+        raise
+    except Exception:
+        logger.exception("verifying delta %s failed; left for beat's rescue", delta.pk)
+        failed.add(delta.pk)
+
+
+def shard_drain(shard: int) -> int:
+    """Verify the shard's received deltas until none are left (or DRAIN_SECONDS pass); how many were done.
+
+    Returns at once when another drainer holds the shard: that one looks at the flag before it stops. In
+    case that one died holding it (a killed worker: the lock outlives it by up to LOCK_SECONDS), a look
+    again after that is queued, at most one per shard at a time."""
+    from training.tasks import verify_shard
+
+    done, deadline, more, failed = 0, time.monotonic() + DRAIN_SECONDS, False, set()
+    if not cache.add(_lock(shard), 1, timeout=LOCK_SECONDS):
+        if cache.add(f"verify:recheck:{shard}", 1, timeout=LOCK_SECONDS):
+            verify_shard.apply_async((shard,), countdown=LOCK_SECONDS + 1)
+        return 0
+    while True:
+        try:
+            while not (more := time.monotonic() > deadline):
+                cache.delete(_flag(shard))
+                batch = _received(shard, failed)
+                for delta in batch:
+                    _verify(delta, failed)
+                    cache.touch(_lock(shard), LOCK_SECONDS)
+                done += len(batch)
+                if len(batch) < BATCH:  # all there was; a delta committed since raised the flag
+                    break
+        finally:
+            cache.delete(_lock(shard))
+        if more:  # out of time with work left: a fresh task goes on, behind whatever else is queued
+            verify_shard.delay(shard)
+            break
+        if cache.get(_flag(shard)) is None:
+            break  # nobody woke the shard since its last look
+        if not cache.add(_lock(shard), 1, timeout=LOCK_SECONDS):
+            break  # another drainer took the shard meanwhile; it looks at the flag before it stops
+    if done:
+        logger.info("verified %d deltas of shard %d", done, shard)
+    return done
