@@ -67,7 +67,16 @@ def _check_bytes(delta: Delta) -> bytes:
     return data
 
 
-def _check_device(delta: Delta) -> Adapter:
+def _memoized(memo: dict | None, key: tuple, load):
+    """``load()``, or what it gave for ``key`` earlier in the same batch (``memo``; None: no batch)."""
+    if memo is None:
+        return load()
+    if key not in memo:
+        memo[key] = load()
+    return memo[key]
+
+
+def _check_device(delta: Delta, memo: dict | None = None) -> Adapter:
     device = delta.device  # loaded with its cohort by delta_verify
     try:
         key = public_key_from_b64(device.public_key)
@@ -77,12 +86,16 @@ def _check_device(delta: Delta) -> Adapter:
         raise Rejection("bad_signature", "the envelope's signature does not verify with this device's key")
     if device.status != DeviceStatus.ACTIVE:
         raise Rejection("device_not_active", f"the device is {device.status}; only active devices may contribute")
-    adapter = only_row(
-        Adapter.objects.filter(name=delta.adapter_name).annotate(
-            trains_cohort=Exists(
-                Adapter.cohorts.through.objects.filter(adapter=OuterRef("pk"), cohort=device.cohort_id)
+    adapter = _memoized(
+        memo,
+        ("adapter", delta.adapter_name, device.cohort_id),
+        lambda: only_row(
+            Adapter.objects.filter(name=delta.adapter_name).annotate(
+                trains_cohort=Exists(
+                    Adapter.cohorts.through.objects.filter(adapter=OuterRef("pk"), cohort=device.cohort_id)
+                )
             )
-        )
+        ),
     )
     if adapter is None:
         raise Rejection("unknown_adapter", f"there is no adapter {delta.adapter_name!r}")
@@ -92,7 +105,7 @@ def _check_device(delta: Delta) -> Adapter:
     return adapter
 
 
-def _check_base(delta: Delta, adapter: Adapter) -> AdapterVersion:
+def _check_base(delta: Delta, adapter: Adapter, memo: dict | None = None) -> AdapterVersion:
     """The base version exists, is not revoked and is at most ``max_staleness`` versions behind the newest."""
     newest = (
         AdapterVersion.objects.filter(adapter=adapter)
@@ -100,7 +113,13 @@ def _check_base(delta: Delta, adapter: Adapter) -> AdapterVersion:
         .order_by("-number")
         .values("number")[:1]
     )
-    base = only_row(adapter.versions.filter(number=delta.base_version_number).annotate(newest_number=Subquery(newest)))
+    base = _memoized(
+        memo,
+        ("base", adapter.pk, delta.base_version_number),
+        lambda: only_row(
+            adapter.versions.filter(number=delta.base_version_number).annotate(newest_number=Subquery(newest))
+        ),
+    )
     if base is None or base.state == AdapterVersion.State.REVOKED:
         what = "does not exist" if base is None else "was revoked"
         raise Rejection("unknown_base_version", f"{adapter.name} v{delta.base_version_number} {what}")
@@ -159,16 +178,18 @@ def delta_verify(*, delta_id: int) -> Delta | None:
     return None if delta is None else delta_verify_loaded(delta)
 
 
-def delta_verify_loaded(delta: Delta) -> Delta | None:
+def delta_verify_loaded(delta: Delta, memo: dict | None = None) -> Delta | None:
     """``delta_verify`` for a delta already loaded, ``received``, with its device and cohort (a batch of
-    ``training.verify_queue``); None if it was verified meanwhile."""
+    ``training.verify_queue``); None if it was verified meanwhile. ``memo``, one dict per batch, lets the
+    batch's deltas share the adapter and base version looked up for the first of them (a batch takes a
+    fraction of a second: a setting or version that changes meanwhile counts from the next batch)."""
     try:
         data = _check_bytes(delta)
-        adapter = _check_device(delta)
+        adapter = _check_device(delta, memo)
     except Rejection as rejection:
         return _finish(delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail)
     try:
-        _check_base(delta, adapter)
+        _check_base(delta, adapter, memo)
         encoding, norm = _check_contents(delta, adapter, data)
     except Rejection as rejection:
         return _finish(

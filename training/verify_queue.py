@@ -72,7 +72,7 @@ def _received(shard: int, failed: set[int]) -> list:
     )
 
 
-def _verify(delta, failed: set[int]) -> None:
+def _verify(delta, failed: set[int], memo: dict) -> None:
     """One delta of a batch. The database or Redis away fails the task (Celery retries it); anything else is
     this delta's own trouble: it is logged and left `received` for the rescue, and the batch goes on."""
     from django.db import InterfaceError, OperationalError
@@ -81,7 +81,7 @@ def _verify(delta, failed: set[int]) -> None:
     from training.verification import delta_verify_loaded
 
     try:
-        delta_verify_loaded(delta)
+        delta_verify_loaded(delta, memo)
     except (OperationalError, InterfaceError, ConnectionError, RedisConnectionError):
         raise
     except Exception:
@@ -106,9 +106,9 @@ def shard_drain(shard: int) -> int:
         try:
             while not (more := time.monotonic() > deadline):
                 cache.delete(_flag(shard))
-                batch = _received(shard, failed)
+                batch, memo = _received(shard, failed), {}
                 for delta in batch:
-                    _verify(delta, failed)
+                    _verify(delta, failed, memo)
                     cache.touch(_lock(shard), LOCK_SECONDS)
                 done += len(batch)
                 if len(batch) < BATCH:  # all there was; a delta committed since raised the flag
