@@ -88,6 +88,30 @@ def test_a_good_delta_is_accepted_into_a_round_and_a_repeat_upload_is_the_same_d
 
 
 @pytest.mark.django_db
+def test_a_repeat_upload_after_the_staging_sweep_sends_its_bytes_again_and_is_still_the_same_delta(setup, settings):
+    """The begin step looks for a stored delta only when the file's lock file says it was begun here lately;
+    once beat's sweep removed that file, a repeat sends its bytes again and the unique insert answers."""
+    from pathlib import Path
+
+    from training.intake import upload_begin
+
+    adapter, _, device, _ = setup
+    data = encode_delta(small_delta(adapter, seed=5))
+    delta = send(setup, data)
+    signed = sign_delta(
+        device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=32, counter=1
+    )
+    begin = {"device": device.device, "envelope": signed["envelope"], "signature": signed["signature"]}
+    assert upload_begin(**begin, channel="rest").delta.pk == delta.pk  # begun here lately: answered at once
+
+    for lock in Path(settings.DELTA_STAGING_DIR).glob("*/*.lock"):
+        lock.unlink()
+    assert upload_begin(**begin, channel="rest").offset == 0  # no look-up: the bytes are asked for again
+    again = send(setup, data)
+    assert again.pk == delta.pk and again.state == Delta.State.ACCEPTED and Delta.objects.count() == 1
+
+
+@pytest.mark.django_db
 def test_wrong_hash_bad_signature_and_another_devices_key_are_rejected(setup, enrolled):
     adapter, _, device, client = setup
     data = encode_delta(small_delta(adapter))
