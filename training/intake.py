@@ -148,6 +148,9 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
             if len(staged) >= MAX_STAGED_PER_DEVICE:
                 staged = [path for path in staged if not _expire(path)]
             if len(staged) >= MAX_STAGED_PER_DEVICE:
+                existing = _existing(device, sha256)  # a repeat of a stored file (its lock file swept) is answered
+                if existing is not None:
+                    return UploadState(sha256, size, size, existing)
                 raise UploadRefused(
                     "too_many_uploads", f"this device has {len(staged)} unfinished uploads; finish or wait", 429
                 )
@@ -300,6 +303,9 @@ def _finish(device, staged: dict, channel: str, *, part: Path | None = None, dat
     actual = blob.sha256
     fields: dict = {"blob_sha256": blob.sha256, "metrics": staged.get("metrics") or {}}
     if actual != envelope["sha256"]:
+        stored = _existing(device, envelope["sha256"])
+        if stored is not None:  # a repeat of a stored file (sent again after the sweep) arrived torn: it stands
+            return stored
         fields.update(
             state=Delta.State.REJECTED,
             rejection_code="hash_mismatch",

@@ -75,6 +75,7 @@ def _received(shard: int, failed: set[int]) -> list:
 def _verify(delta, failed: set[int], memo: dict) -> None:
     """One delta of a batch. The database or Redis away fails the task (Celery retries it); anything else is
     this delta's own trouble: it is logged and left `received` for the rescue, and the batch goes on."""
+    from celery.exceptions import SoftTimeLimitExceeded
     from django.db import InterfaceError, OperationalError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -82,7 +83,7 @@ def _verify(delta, failed: set[int], memo: dict) -> None:
 
     try:
         delta_verify_loaded(delta, memo)
-    except (OperationalError, InterfaceError, ConnectionError, RedisConnectionError):
+    except (OperationalError, InterfaceError, ConnectionError, RedisConnectionError, SoftTimeLimitExceeded):
         raise
     except Exception:
         logger.exception("verifying delta %s failed; left for beat's rescue", delta.pk)

@@ -93,7 +93,7 @@ def test_a_repeat_upload_after_the_staging_sweep_sends_its_bytes_again_and_is_st
     once beat's sweep removed that file, a repeat sends its bytes again and the unique insert answers."""
     from pathlib import Path
 
-    from training.intake import upload_begin
+    from training.intake import upload_append, upload_begin
 
     adapter, _, device, _ = setup
     data = encode_delta(small_delta(adapter, seed=5))
@@ -109,6 +109,31 @@ def test_a_repeat_upload_after_the_staging_sweep_sends_its_bytes_again_and_is_st
     assert upload_begin(**begin, channel="rest").offset == 0  # no look-up: the bytes are asked for again
     again = send(setup, data)
     assert again.pk == delta.pk and again.state == Delta.State.ACCEPTED and Delta.objects.count() == 1
+
+    # Sent again torn, the stored delta stands (no `hash_mismatch` row, no "rejected" for an accepted file).
+    for lock in Path(settings.DELTA_STAGING_DIR).glob("*/*.lock"):
+        lock.unlink()
+    upload_begin(**begin, channel="rest")
+    torn = bytes(len(data) - 1) + b"x"
+    sha256 = signed["envelope"]["sha256"]
+    state = upload_append(device=device.device, sha256=sha256, offset=0, data=torn, channel="rest")
+    assert state.delta.pk == delta.pk and Delta.objects.count() == 1
+
+    # With its four upload slots full, the repeat is answered with the stored delta, not refused.
+    for seed in range(4):
+        other = sign_delta(
+            device.key,
+            encode_delta(small_delta(adapter, seed=10 + seed)),
+            device_id=device.id,
+            adapter=adapter.name,
+            base_version=1,
+            num_samples=32,
+            counter=10 + seed,
+        )
+        upload_begin(device=device.device, envelope=other["envelope"], signature=other["signature"], channel="rest")
+    for lock in Path(settings.DELTA_STAGING_DIR).glob(f"*/{signed['envelope']['sha256']}.lock"):
+        lock.unlink()
+    assert upload_begin(**begin, channel="rest").delta.pk == delta.pk
 
 
 @pytest.mark.django_db
