@@ -122,15 +122,10 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
     envelope = _parse(device, envelope, signature)
     sha256, size = envelope["sha256"], envelope["size"]
     part, meta = _staging(device.pk, sha256)
-    # Every upload begun here leaves its lock file until beat's sweep (DELTA_STAGED_EXPIRY_SECONDS): without
-    # one, this device has not sent this file lately and the look-up is skipped (a query per upload, on the
-    # web processes' busiest path). A repeat after the sweep sends its bytes again, and the unique insert at the
-    # end answers with the delta stored the first time: still counted once.
-    if size > settings.DELTA_MAX_BYTES or part.with_suffix(".lock").exists():
+    if size > settings.DELTA_MAX_BYTES:
         existing = _existing(device, sha256)
         if existing is not None:
             return UploadState(sha256, size, size, existing)
-    if size > settings.DELTA_MAX_BYTES:
         delta = _row(
             device,
             envelope,
@@ -142,6 +137,14 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
         )
         announce_delta(delta)
         return UploadState(sha256, size, size, delta)
+    # Every upload begun here leaves its lock file until beat's sweep (DELTA_STAGED_EXPIRY_SECONDS): without
+    # one, this device has not sent this file lately and the look-up is skipped (a query per upload, on the
+    # web processes' busiest path). A repeat after the sweep sends its bytes again, and the unique insert at the
+    # end answers with the delta stored the first time: still counted once.
+    if part.with_suffix(".lock").exists():
+        existing = _existing(device, sha256)
+        if existing is not None:
+            return UploadState(sha256, size, size, existing)
     with _locked(part):
         if not part.exists():
             staged = list(part.parent.glob("*.part"))

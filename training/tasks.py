@@ -8,6 +8,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from training.models import Rollout
 
+# What a verification task is retried for: PostgreSQL or Redis away for a moment.
+TRANSIENT_ERRORS = (ConnectionError, RedisConnectionError, OperationalError, InterfaceError)
+
 
 @shared_task(name="training.tasks.tick_rollouts", ignore_result=True, time_limit=120, soft_time_limit=100)
 def tick_rollouts() -> dict:
@@ -46,7 +49,7 @@ def verify_delta(delta_id: int) -> str | None:
     ignore_result=True,
     time_limit=300,
     soft_time_limit=280,
-    autoretry_for=(ConnectionError, RedisConnectionError, OperationalError, InterfaceError),
+    autoretry_for=TRANSIENT_ERRORS,
     retry_backoff=2,
     retry_backoff_max=60,
     retry_jitter=True,

@@ -27,7 +27,7 @@ from django.db.models import F
 logger = logging.getLogger(__name__)
 BATCH = 16  # deltas loaded per query; each is verified in its own transaction
 DRAIN_SECONDS = 2.0  # then the drainer hands its shard to a fresh task, so aggregation gets a process too
-LOCK_SECONDS = 30  # renewed after each delta; a drainer that died (a killed worker) frees its shard after this
+LOCK_SECONDS = 30  # renewed after each batch; a drainer that died (a killed worker) frees its shard after this
 WAKE_SECONDS = 10  # a wake whose task was lost stops holding back new ones after this
 
 
@@ -76,14 +76,13 @@ def _verify(delta, failed: set[int], memo: dict) -> None:
     """One delta of a batch. The database or Redis away fails the task (Celery retries it); anything else is
     this delta's own trouble: it is logged and left `received` for the rescue, and the batch goes on."""
     from celery.exceptions import SoftTimeLimitExceeded
-    from django.db import InterfaceError, OperationalError
-    from redis.exceptions import ConnectionError as RedisConnectionError
 
+    from training.tasks import TRANSIENT_ERRORS
     from training.verification import delta_verify_loaded
 
     try:
         delta_verify_loaded(delta, memo)
-    except (OperationalError, InterfaceError, ConnectionError, RedisConnectionError, SoftTimeLimitExceeded):
+    except (*TRANSIENT_ERRORS, SoftTimeLimitExceeded):
         raise
     except Exception:
         logger.exception("verifying delta %s failed; left for beat's rescue", delta.pk)
@@ -110,7 +109,7 @@ def shard_drain(shard: int) -> int:
                 batch, memo = _received(shard, failed), {}
                 for delta in batch:
                     _verify(delta, failed, memo)
-                    cache.touch(_lock(shard), LOCK_SECONDS)
+                cache.touch(_lock(shard), LOCK_SECONDS)
                 done += len(batch)
                 if len(batch) < BATCH:  # all there was; a delta committed since raised the flag
                     break
