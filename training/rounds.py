@@ -142,6 +142,44 @@ def round_admit(*, delta: Delta) -> Round | None:
     return round_
 
 
+def round_admit_many(deltas: list[Delta]) -> None:
+    """``round_admit`` for a batch of just-accepted deltas of one adapter (``training.verification``'s batch),
+    setting each one's round: while the collecting round has room, one lock, one update, one count and one
+    progress event for all of them. The deltas that do not fit once it is full go to the next round, which
+    the first of them opens as ``round_admit`` does (opening adopts the others waiting). Runs inside the
+    caller's transaction."""
+    pending = list(deltas)
+    while pending:
+        round_ = _collecting(pending[0].adapter_id)
+        if round_ is None:
+            first = pending.pop(0)
+            first.round = round_admit(delta=first)
+            if first.round is None:  # no round to join (not opened automatically, or refused): each tries
+                for delta in pending:  # as it would alone (a refusal is recorded for each, as before)
+                    delta.round = round_admit(delta=delta)
+                return
+            adopted = dict(
+                Delta.objects.filter(pk__in=[d.pk for d in pending], round__isnull=False).values_list("pk", "round_id")
+            )
+            for delta in pending:
+                delta.round_id = adopted.get(delta.pk)
+            pending = [delta for delta in pending if delta.round_id is None]
+            continue
+        round_.adapter = pending[0].adapter  # the same row, already loaded: the round's live event names it
+        count = _accepted_count(round_)
+        room = max(round_.buffer_size - count, 0)
+        joining, pending = pending[:room], pending[room:]
+        if joining:
+            Delta.objects.filter(pk__in=[d.pk for d in joining]).update(round=round_)
+            for delta in joining:
+                delta.round = round_
+        if not _close_if_due(round_, count + len(joining)) and pending:
+            # Full but not closed cannot happen under the round's lock; one by one rather than loop on it.
+            for delta in pending:
+                delta.round = round_admit(delta=delta)
+            return
+
+
 _OPEN_ATTEMPTS = 5
 
 
@@ -172,8 +210,10 @@ def _accepted_count(round_: Round) -> int:
     return round_.deltas.filter(state=Delta.State.ACCEPTED).count()
 
 
-def _close_if_due(round_: Round) -> bool:
-    count = _accepted_count(round_)
+def _close_if_due(round_: Round, count: int | None = None) -> bool:
+    """Close the locked round if it is full, or past its deadline with its minimum; else publish its progress.
+    ``count``: its accepted deltas, when the caller has just counted them."""
+    count = _accepted_count(round_) if count is None else count
     if count >= round_.buffer_size:
         return _close(round_, "buffer_full", count)
     if round_.deadline and round_.deadline <= timezone.now() and count >= round_.min_deltas:

@@ -12,10 +12,11 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Exists, OuterRef, Subquery
 from django.utils import timezone
 from safetensors.torch import load as load_safetensors
@@ -29,7 +30,7 @@ from training.artifacts import ArtifactRejected, check_spec, read_header
 from training.blobs import blob_read
 from training.live import announce_delta
 from training.models import Adapter, AdapterVersion, Delta
-from training.rounds import round_admit
+from training.rounds import round_admit, round_admit_many
 
 
 @dataclass(frozen=True)
@@ -175,47 +176,70 @@ def delta_verify(*, delta_id: int) -> Delta | None:
     delta that fails a later check still uses up its counter, and a replay is caught by the database's
     ``UNIQUE(device, counter)`` however close together the two arrive."""
     delta = only_row(Delta.objects.select_related("device__cohort").filter(pk=delta_id, state=Delta.State.RECEIVED))
-    return None if delta is None else delta_verify_loaded(delta)
+    return None if delta is None else _finish(delta, delta_judge(delta))
 
 
-def delta_verify_loaded(delta: Delta, memo: dict | None = None) -> Delta | None:
-    """``delta_verify`` for a delta already loaded, ``received``, with its device and cohort (a batch of
-    ``training.verify_queue``); None if it was verified meanwhile. ``memo``, one dict per batch, lets the
-    batch's deltas share the adapter and base version looked up for the first of them (a batch takes a
-    fraction of a second: a setting or version that changes meanwhile counts from the next batch)."""
+@dataclass(frozen=True)
+class Verdict:
+    """What the checks found for one delta, before anything is written."""
+
+    state: str
+    code: str = ""
+    detail: str = ""
+    claim_counter: bool = False
+    encoding: str = ""
+    norm: float | None = None
+
+
+def delta_judge(delta: Delta, memo: dict | None = None) -> Verdict:
+    """Run the checks on a delta loaded ``received`` with its device and cohort; writes nothing. ``memo``, one
+    dict per batch (``training.verify_queue``), lets the batch's deltas share the adapter and base version
+    looked up for the first of them (a batch takes a fraction of a second: a setting or version that changes
+    meanwhile counts from the next batch)."""
     try:
         data = _check_bytes(delta)
         adapter = _check_device(delta, memo)
     except Rejection as rejection:
-        return _finish(delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail)
+        return Verdict(Delta.State.REJECTED, rejection.code, rejection.detail)
     try:
         _check_base(delta, adapter, memo)
         encoding, norm = _check_contents(delta, adapter, data)
     except Rejection as rejection:
-        return _finish(
-            delta, state=Delta.State.REJECTED, code=rejection.code, detail=rejection.detail, claim_counter=True
-        )
-    return _finish(delta, state=Delta.State.ACCEPTED, encoding=encoding, norm=norm, claim_counter=True)
+        return Verdict(Delta.State.REJECTED, rejection.code, rejection.detail, claim_counter=True)
+    return Verdict(Delta.State.ACCEPTED, claim_counter=True, encoding=encoding, norm=norm)
 
 
 class _CounterUsed(Exception):
     """The device's counter is already claimed by another of its deltas (a replay)."""
 
 
-def _finish(
-    delta: Delta, *, state: str, code: str = "", detail: str = "", claim_counter: bool = False, **fields
-) -> Delta | None:
-    fields.update(
-        adapter=delta.adapter,
-        base_version=delta.base_version,
-        staleness=delta.staleness,
-        verified_at=timezone.now(),
-    )
+def _fields(delta: Delta, verdict: Verdict, now) -> dict:
+    """The columns a verdict writes besides state, code, detail and the counter claim."""
+    fields = {
+        "adapter": delta.adapter,
+        "base_version": delta.base_version,
+        "staleness": delta.staleness,
+        "verified_at": now,
+    }
+    if verdict.state == Delta.State.ACCEPTED:
+        fields.update(encoding=verdict.encoding, norm=verdict.norm)
+    return fields
+
+
+def _finish(delta: Delta, verdict: Verdict) -> Delta | None:
+    fields = _fields(delta, verdict, timezone.now())
     try:
-        return _record(delta, state, code, detail, claim_counter, fields)
+        return _record(delta, verdict.state, verdict.code, verdict.detail, verdict.claim_counter, fields)
     except _CounterUsed:
         detail = f"counter {delta.counter} was already used by another delta of this device"
         return _record(delta, Delta.State.REJECTED, "replayed_counter", detail, False, fields)
+
+
+def _apply(delta: Delta, state: str, code: str, detail: str, claim_counter: bool, fields: dict) -> None:
+    for name, value in fields.items():
+        setattr(delta, name, value)
+    delta.state, delta.rejection_code, delta.rejection_detail = state, code, detail[:500]
+    delta.counter_claimed = claim_counter
 
 
 def _record(delta: Delta, state: str, code: str, detail: str, claim_counter: bool, fields: dict) -> Delta | None:
@@ -230,10 +254,7 @@ def _record(delta: Delta, state: str, code: str, detail: str, claim_counter: boo
             raise _CounterUsed from None
         if not changed:
             return None
-        for name, value in fields.items():
-            setattr(delta, name, value)
-        delta.state, delta.rejection_code, delta.rejection_detail = state, code, detail[:500]
-        delta.counter_claimed = claim_counter
+        _apply(delta, state, code, detail, claim_counter, fields)
         if state == Delta.State.ACCEPTED:
             delta.round = round_admit(delta=delta)
         announce_delta(delta)
@@ -244,3 +265,111 @@ def _set_outcome(delta: Delta, state: str, code: str, detail: str, **fields) -> 
     return Delta.objects.filter(pk=delta.pk, state=Delta.State.RECEIVED).update(
         state=state, rejection_code=code, rejection_detail=detail[:500], **fields
     )
+
+
+# --- a batch (training.verify_queue): the same outcomes, written together ---
+
+_OUTCOME_FIELDS = (
+    "state",
+    "rejection_code",
+    "rejection_detail",
+    "counter_claimed",
+    "adapter",
+    "base_version",
+    "staleness",
+    "encoding",
+    "norm",
+    "verified_at",
+)
+
+
+def delta_record_batch(judged: list[tuple[Delta, Verdict]]) -> list[Delta]:
+    """Write a batch's verdicts in one transaction: one ``UPDATE`` for every outcome (each only if the delta is
+    still ``received``) and, per adapter, one admission of its accepted deltas to the round
+    (``round_admit_many``). Returns the deltas it recorded; one verified meanwhile by another run is left out,
+    as ``delta_verify`` returns None for it. A counter claimed twice (a replay, even within the batch) rolls
+    the batch back, and its verdicts are recorded one by one, which tells the replay apart. The outcomes are
+    the ones ``delta_verify`` would write for each delta; it saves the statements and commits of each delta's
+    own transaction, the larger part of a verification's cost. Adapters are admitted in id order, so two
+    batches holding deltas of the same adapters lock their rounds in the same order."""
+    if not judged:
+        return []
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            rows = {}
+            for delta, verdict in judged:  # a rejection keeps the (empty) encoding and norm the delta has
+                fields = {"encoding": delta.encoding, "norm": delta.norm, **_fields(delta, verdict, now)}
+                rows[delta.pk] = (delta, verdict.state, verdict.code, verdict.detail, verdict.claim_counter, fields)
+            changed = _set_outcomes(list(rows.values()))
+            recorded = [rows[pk][0] for pk in rows if pk in changed]
+            for pk in changed:
+                _apply(*rows[pk])
+            by_adapter: dict[int, list[Delta]] = {}
+            for delta in recorded:
+                if delta.state == Delta.State.ACCEPTED:
+                    by_adapter.setdefault(delta.adapter_id, []).append(delta)
+            for adapter_id in sorted(by_adapter):
+                round_admit_many(by_adapter[adapter_id])
+            for delta in recorded:
+                announce_delta(delta)
+    except IntegrityError:
+        return _record_one_by_one(judged)
+    return recorded
+
+
+def _record_one_by_one(judged: list[tuple[Delta, Verdict]]) -> list[Delta]:
+    """The batch's verdicts, each in a transaction of its own (``_finish``: a used counter makes the delta a
+    ``replayed_counter`` rejection), on the rows loaded again: the batch's rolled-back writes may have changed
+    the objects in memory. The checks are not run again."""
+    fresh = Delta.objects.select_related("device__cohort").in_bulk([delta.pk for delta, _ in judged])
+    recorded = []
+    for delta, verdict in judged:
+        again = fresh.get(delta.pk)
+        if again is None or again.state != Delta.State.RECEIVED:
+            continue
+        again.adapter, again.base_version, again.staleness = delta.adapter, delta.base_version, delta.staleness
+        if (done := _finish(again, verdict)) is not None:
+            recorded.append(done)
+    return recorded
+
+
+@lru_cache(maxsize=32)
+def _outcome_sql(size: int) -> tuple[list, str]:
+    """The outcome fields and the ``UPDATE ... FROM (VALUES ...)`` text for a batch of ``size`` rows (they
+    depend on nothing else, so each batch size is built once)."""
+    meta = Delta._meta
+    fields = [meta.get_field(name) for name in _OUTCOME_FIELDS]
+    quote = connection.ops.quote_name
+    pk = meta.pk
+    types = [pk.cast_db_type(connection), *(field.cast_db_type(connection) for field in fields)]
+    row_sql = "(" + ", ".join(f"%s::{kind}" for kind in types) + ")"
+    columns = [quote(pk.column), *(quote(field.column) for field in fields)]
+    sql = (  # identifiers from the model's own metadata; every value a parameter
+        f"UPDATE {quote(meta.db_table)} AS d SET "  # noqa: S608
+        + ", ".join(f"{column} = v.{column}" for column in columns[1:])
+        + f" FROM (VALUES {', '.join([row_sql] * size)}) AS v({', '.join(columns)})"
+        + f" WHERE d.{columns[0]} = v.{columns[0]} AND d.{quote(meta.get_field('state').column)} = %s"
+        + f" RETURNING d.{columns[0]}"
+    )
+    return fields, sql
+
+
+def _set_outcomes(rows: list[tuple]) -> set[int]:
+    """One ``UPDATE ... FROM (VALUES ...)`` writing each row's outcome if its delta is still received; the ids
+    it changed."""
+    fields, sql = _outcome_sql(len(rows))
+    params: list = []
+    for delta, state, code, detail, claim_counter, values in rows:
+        values = {**values, "state": state, "rejection_code": code, "rejection_detail": detail[:500]}
+        values["counter_claimed"] = claim_counter
+        params.append(delta.pk)
+        for field in fields:
+            value = values[field.name]
+            if field.is_relation:
+                value = None if value is None else value.pk
+            params.append(field.get_db_prep_value(value, connection))
+    params.append(Delta.State.RECEIVED)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {row[0] for row in cursor.fetchall()}

@@ -4,8 +4,9 @@ An upload that completes raises its shard's wake flag (``queue_verification``, a
 the upload that raised it queues a ``verify_shard`` task. That task (``shard_drain``), holding the shard's
 drain lock, lowers the flag, verifies the shard's received deltas in batches and looks again until none are
 left, so under load one task verifies many deltas: one Celery message and one query per batch, not per
-delta (measured in bench/fleet_simulator.py). Each delta is still verified by ``delta_verify``'s own
-transaction, so what a delta's outcome is and how it joins a round does not change.
+delta (measured in bench/fleet_simulator.py). A batch's verdicts are written in one transaction
+(``delta_record_batch``): the outcomes and rounds ``delta_verify`` would give each delta on its own, without
+a transaction, a round lock and a count per delta.
 
 Nothing is lost between a flag and a drainer: the drainer lowers the flag before it looks for deltas, and
 after it lets go of the lock it looks at the flag once more, so a delta committed while it finished is
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 from django.conf import settings
 from django.core.cache import cache
 from django.db.models import F
 
 logger = logging.getLogger(__name__)
-BATCH = 16  # deltas loaded per query; each is verified in its own transaction
+BATCH = 16  # deltas loaded per query, judged one by one and recorded in one transaction
 DRAIN_SECONDS = 2.0  # then the drainer hands its shard to a fresh task, so aggregation gets a process too
 LOCK_SECONDS = 30  # renewed after each batch; a drainer that died (a killed worker) frees its shard after this
 WAKE_SECONDS = 10  # a wake whose task was lost stops holding back new ones after this
@@ -72,21 +74,48 @@ def _received(shard: int, failed: set[int]) -> list:
     )
 
 
-def _verify(delta, failed: set[int], memo: dict) -> None:
-    """One delta of a batch. The database or Redis away fails the task (Celery retries it); anything else is
-    this delta's own trouble: it is logged and left `received` for the rescue, and the batch goes on."""
+@contextmanager
+def _own_trouble(delta_id: int, failed: set[int]):
+    """PostgreSQL or Redis away (or Celery's soft time limit) fails the task, and Celery retries it; anything
+    else raised here is this delta's own trouble: it is logged and the delta left `received` for beat's
+    rescue, and the batch goes on."""
     from celery.exceptions import SoftTimeLimitExceeded
 
     from training.tasks import TRANSIENT_ERRORS
-    from training.verification import delta_verify_loaded
 
     try:
-        delta_verify_loaded(delta, memo)
+        yield
     except (*TRANSIENT_ERRORS, SoftTimeLimitExceeded):
         raise
     except Exception:
-        logger.exception("verifying delta %s failed; left for beat's rescue", delta.pk)
-        failed.add(delta.pk)
+        logger.exception("verifying delta %s failed; left for beat's rescue", delta_id)
+        failed.add(delta_id)
+
+
+def _verify_batch(batch: list, failed: set[int]) -> None:
+    """Judge each delta (``delta_judge``, no writes), then write the verdicts together
+    (``delta_record_batch``). If writing them breaks for another reason than PostgreSQL or Redis being away,
+    each is verified on its own (``delta_verify``), so one delta's trouble stays its own."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from training.tasks import TRANSIENT_ERRORS
+    from training.verification import delta_judge, delta_record_batch, delta_verify
+
+    memo: dict = {}
+    judged = []
+    for delta in batch:
+        with _own_trouble(delta.pk, failed):
+            judged.append((delta, delta_judge(delta, memo)))
+    try:
+        delta_record_batch(judged)
+        return
+    except (*TRANSIENT_ERRORS, SoftTimeLimitExceeded):
+        raise
+    except Exception:
+        logger.exception("recording %d verifications together failed; recording them one by one", len(judged))
+    for delta, _ in judged:
+        with _own_trouble(delta.pk, failed):
+            delta_verify(delta_id=delta.pk)
 
 
 def shard_drain(shard: int) -> int:
@@ -106,9 +135,8 @@ def shard_drain(shard: int) -> int:
         try:
             while not (more := time.monotonic() > deadline):
                 cache.delete(_flag(shard))
-                batch, memo = _received(shard, failed), {}
-                for delta in batch:
-                    _verify(delta, failed, memo)
+                batch = _received(shard, failed)
+                _verify_batch(batch, failed)
                 cache.touch(_lock(shard), LOCK_SECONDS)
                 done += len(batch)
                 if len(batch) < BATCH:  # all there was; a delta committed since raised the flag

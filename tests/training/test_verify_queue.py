@@ -1,6 +1,7 @@
 """Verification in batches (``training.verify_queue``): an upload wakes its shard's drainer only when it is not
 awake already, a drainer verifies every received delta of its shard (also one that arrives while it finishes),
-one delta failing does not stop the others, and a shard whose drainer died is looked at again.
+one delta failing does not stop the others, and a shard whose drainer died is looked at again. A batch's
+outcomes, written together, are the ones each delta gets on its own: replays, rejections, full rounds.
 
 The drains run in this process, against the real PostgreSQL and Redis; the task queue is replaced by a list,
 so no worker takes part and every figure here is exact."""
@@ -20,15 +21,18 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def wakes(monkeypatch, settings):
-    """The shards whose drain task was queued, in order (``verify_shard.delay``), and the delayed looks again
-    (``apply_async``); every flag, lock and look-again mark starts down."""
-    from training.tasks import verify_shard
+    """The shards whose drain task was queued, in order (``verify_shard.delay``), the delayed looks again
+    (``apply_async``) and the closed rounds handed to aggregation (``aggregate_round.delay``, kept from the
+    test session's Celery worker, whose aggregation would race the teardown's flush); every flag, lock and
+    look-again mark starts down."""
+    from training.tasks import aggregate_round, verify_shard
 
     settings.DELTA_VERIFY_SHARDS = 4
     for shard in range(settings.DELTA_VERIFY_SHARDS):
         cache.delete_many([verify_queue._flag(shard), verify_queue._lock(shard), f"verify:recheck:{shard}"])
-    queued: dict[str, list] = {"delay": [], "later": []}
+    queued: dict[str, list] = {"delay": [], "later": [], "aggregate": []}
     monkeypatch.setattr(verify_shard, "delay", lambda shard: queued["delay"].append(shard))
+    monkeypatch.setattr(aggregate_round, "delay", lambda round_id: queued["aggregate"].append(round_id))
     monkeypatch.setattr(verify_shard, "apply_async", lambda args, countdown: queued["later"].append((args, countdown)))
     return queued
 
@@ -41,6 +45,19 @@ def fleet(adapter, cohort, enrolled):
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 100, "min_deltas": 1})
     adapter.refresh_from_db()
     return adapter, devices
+
+
+@pytest.fixture
+def batch_only(monkeypatch):
+    """Fail any delta the batch path does not record itself: the one-by-one fallbacks (``delta_verify``, and
+    ``_record_one_by_one`` after a replay) raise, and a delta they would have verified stays ``received``."""
+    import training.verification
+
+    def fell_back(*args, **kwargs):
+        raise AssertionError("the batch fell back to one by one")
+
+    monkeypatch.setattr(training.verification, "delta_verify", fell_back)
+    monkeypatch.setattr(training.verification, "_record_one_by_one", fell_back)
 
 
 def _upload(fleet, count: int, first: int = 0) -> list[Delta]:
@@ -101,14 +118,14 @@ def test_a_delta_whose_verification_breaks_is_left_for_the_rescue_and_the_batch_
     settings.DELTA_VERIFY_SHARDS = 1
     deltas = _upload(fleet, 5)
     broken = deltas[2].pk
-    real_verify = training.verification.delta_verify_loaded
+    real_judge = training.verification.delta_judge
 
-    def verify_unless_broken(delta, memo=None):
+    def judge_unless_broken(delta, memo=None):
         if delta.pk == broken:
             raise RuntimeError("a bug in a check")
-        return real_verify(delta, memo)
+        return real_judge(delta, memo)
 
-    monkeypatch.setattr(training.verification, "delta_verify_loaded", verify_unless_broken)
+    monkeypatch.setattr(training.verification, "delta_judge", judge_unless_broken)
 
     assert verify_queue.shard_drain(0) == 5  # looked at five, one of them failed; the drain did not loop on it
     states = dict(Delta.objects.filter(pk__in=[d.pk for d in deltas]).values_list("pk", "state"))
@@ -118,7 +135,7 @@ def test_a_delta_whose_verification_breaks_is_left_for_the_rescue_and_the_batch_
     assert cache.get(verify_queue._lock(0)) is None
 
     # Beat's rescue (``verify_delta``, one by one) verifies it once the trouble is gone.
-    monkeypatch.setattr(training.verification, "delta_verify_loaded", real_verify)
+    monkeypatch.setattr(training.verification, "delta_judge", real_judge)
     from training.verification import delta_verify
 
     assert delta_verify(delta_id=broken).state == Delta.State.ACCEPTED
@@ -151,3 +168,167 @@ def test_an_upload_is_kept_when_redis_is_away_to_queue_its_verification(wakes, f
     assert Delta.objects.get(pk=delta.pk).state == Delta.State.RECEIVED  # stored; beat's rescue verifies it
     assert wakes["delay"] == []
     assert f"could not queue verification of delta {delta.pk}" in caplog.text
+
+
+def _rounds_of(deltas) -> dict[int, int]:
+    """How many of these accepted deltas each round holds."""
+    rows = Delta.objects.filter(pk__in=[d.pk for d in deltas], state=Delta.State.ACCEPTED).values_list("round_id")
+    counts: dict[int, int] = {}
+    for (round_id,) in rows:
+        counts[round_id] = counts.get(round_id, 0) + 1
+    return counts
+
+
+def test_a_batch_running_past_a_full_round_fills_it_closes_it_and_opens_the_next(wakes, fleet, settings, batch_only):
+    from training.models import Round
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    adapter, _ = fleet
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 5, "min_deltas": 1})
+    deltas = _upload(fleet, 3)
+    assert verify_queue.shard_drain(0) == 3  # a round collecting, with 3 of 5
+    deltas += _upload(fleet, 13, first=3)  # one batch of 13 (BATCH is 16)
+
+    assert verify_queue.shard_drain(0) == 13
+
+    rounds = {r.pk: r for r in Round.objects.filter(adapter=adapter)}
+    per_round = _rounds_of(deltas)
+    assert None not in per_round and sum(per_round.values()) == 16
+    assert sorted(per_round.values()) == [1, 5, 5, 5]  # three full rounds and the next one collecting
+    closed = [pk for pk, count in per_round.items() if count == 5]
+    assert all(
+        rounds[pk].state == Round.State.AGGREGATING and rounds[pk].close_reason == "buffer_full" for pk in closed
+    )
+    assert sorted(wakes["aggregate"]) == sorted(closed)  # each closed round handed to aggregation once
+    (open_pk,) = [pk for pk, count in per_round.items() if count == 1]
+    assert rounds[open_pk].state == Round.State.COLLECTING
+    # in upload order: the round that was collecting takes two more, then five per round
+    by_id = dict(Delta.objects.filter(pk__in=[d.pk for d in deltas]).values_list("pk", "round_id"))
+    order = [by_id[d.pk] for d in sorted(deltas, key=lambda d: d.pk)]
+    assert order == [order[0]] * 5 + [order[5]] * 5 + [order[10]] * 5 + [order[15]]
+
+
+def test_a_batch_with_a_replay_and_rejections_gives_each_delta_its_own_outcome(
+    wakes, fleet, settings, caplog, monkeypatch
+):
+    import math
+
+    import training.verification
+    from devices.models import Device
+    from training.models import Round
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    adapter, devices = fleet
+    real_judge, judged = training.verification.delta_judge, []
+
+    def counting_judge(delta, memo=None):
+        judged.append(delta.pk)
+        return real_judge(delta, memo)
+
+    monkeypatch.setattr(training.verification, "delta_judge", counting_judge)
+    good = _upload(fleet, 4)  # counters 0..3 on devices 0..3
+    replay = receive(devices[0], adapter, make_delta_tensors(adapter, seed=50), counter=0)  # device 0's counter again
+    tensors = make_delta_tensors(adapter, seed=51)
+    next(iter(tensors.values()))[0] = math.nan
+    not_finite = receive(devices[1], adapter, tensors, counter=7)
+    suspended = receive(devices[4], adapter, make_delta_tensors(adapter, seed=52), counter=8)
+    Device.objects.filter(pk=devices[4].device.pk).update(status="suspended")
+
+    assert verify_queue.shard_drain(0) == 7
+
+    got = {d.pk: d for d in Delta.objects.filter(pk__in=[d.pk for d in [*good, replay, not_finite, suspended]])}
+    assert {got[d.pk].state for d in good} == {Delta.State.ACCEPTED}
+    assert (got[replay.pk].state, got[replay.pk].rejection_code) == ("rejected", "replayed_counter")
+    assert (got[not_finite.pk].state, got[not_finite.pk].rejection_code) == ("rejected", "not_finite")
+    assert got[not_finite.pk].counter_claimed  # a later check's failure still uses the counter up
+    assert (got[suspended.pk].rejection_code, got[suspended.pk].counter_claimed) == ("device_not_active", False)
+    assert all(got[pk].round_id is None for pk in (replay.pk, not_finite.pk, suspended.pk))
+    (round_,) = Round.objects.filter(adapter=adapter)
+    assert _rounds_of(good) == {round_.pk: 4}
+    assert "recording them one by one" not in caplog.text  # a replay is not a failure: recorded one by one
+    assert len(judged) == 7  # ... with the verdicts the batch had: no delta's checks ran twice
+
+
+def test_rejections_in_a_batch_are_written_by_the_batch_as_delta_verify_writes_them(wakes, fleet, settings, batch_only):
+    import math
+
+    from devices.models import Device
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    adapter, devices = fleet
+    good = _upload(fleet, 2)
+    tensors = make_delta_tensors(adapter, seed=51)
+    next(iter(tensors.values()))[0] = math.inf
+    not_finite = receive(devices[2], adapter, tensors, counter=7)
+    stale = receive(devices[3], adapter, make_delta_tensors(adapter, seed=53), counter=9, base_version=7)
+    suspended = receive(devices[4], adapter, make_delta_tensors(adapter, seed=52), counter=8)
+    Device.objects.filter(pk=devices[4].device.pk).update(status="suspended")
+
+    assert verify_queue.shard_drain(0) == 5
+
+    got = {d.pk: d for d in Delta.objects.filter(pk__in=[d.pk for d in [*good, not_finite, stale, suspended]])}
+    assert {got[d.pk].state for d in good} == {Delta.State.ACCEPTED}
+    assert all(got[d.pk].encoding == "f32" and got[d.pk].norm > 0 and got[d.pk].round_id for d in good)
+    expected = {  # code, counter claimed, adapter known, base version known
+        not_finite.pk: ("not_finite", True, True, True),
+        stale.pk: ("unknown_base_version", True, True, False),
+        suspended.pk: ("device_not_active", False, False, False),
+    }
+    for pk, (code, claimed, has_adapter, has_base) in expected.items():
+        delta = got[pk]
+        assert (delta.state, delta.rejection_code, delta.counter_claimed) == ("rejected", code, claimed), pk
+        assert (delta.adapter_id is not None, delta.base_version_id is not None) == (has_adapter, has_base), pk
+        assert delta.rejection_detail and delta.verified_at and delta.round_id is None and delta.norm is None
+
+
+def test_a_batch_of_two_adapters_puts_each_delta_in_its_own_adapter_s_round(
+    wakes, fleet, settings, batch_only, base_model, cohort, make_user
+):
+    from training.models import Round
+    from training.services import adapter_create
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    adapter, devices = fleet
+    other = adapter_create(name="digits-lora-2", base_model=base_model, rank=4, alpha=8.0, actor=make_user("admin"))
+    other.cohorts.add(cohort)
+    version_create_seeded(adapter=other, seed=4)
+    mine = _upload(fleet, 3)
+    theirs = [receive(devices[i], other, make_delta_tensors(other, seed=60 + i), counter=20 + i) for i in range(3)]
+
+    assert verify_queue.shard_drain(0) == 6
+
+    (round_a,) = Round.objects.filter(adapter=adapter)
+    (round_b,) = Round.objects.filter(adapter=other)
+    assert _rounds_of(mine) == {round_a.pk: 3} and _rounds_of(theirs) == {round_b.pk: 3}
+
+
+def test_a_batch_for_an_adapter_that_opens_no_rounds_leaves_its_deltas_accepted_and_waiting(
+    wakes, fleet, settings, batch_only
+):
+    from training.models import Round
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    adapter, _ = fleet
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"auto_rounds": False})
+    deltas = _upload(fleet, 4)
+
+    assert verify_queue.shard_drain(0) == 4
+
+    assert not Round.objects.filter(adapter=adapter).exists()
+    rows = Delta.objects.filter(pk__in=[d.pk for d in deltas])
+    assert set(rows.values_list("state", "round_id")) == {(Delta.State.ACCEPTED, None)}
+
+
+def test_a_batch_leaves_out_a_delta_verified_meanwhile_and_counts_it_once(wakes, fleet, settings):
+    from training.verification import delta_judge, delta_record_batch, delta_verify
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    deltas = _upload(fleet, 3)
+    batch = verify_queue._received(0, set())
+    judged = [(delta, delta_judge(delta, {})) for delta in batch]
+    first = delta_verify(delta_id=deltas[0].pk)  # the rescue, say, got there first
+
+    recorded = delta_record_batch(judged)
+
+    assert [d.pk for d in recorded] == [d.pk for d in deltas[1:]]
+    assert sum(_rounds_of(deltas).values()) == 3 and list(_rounds_of(deltas)) == [first.round_id]
