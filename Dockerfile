@@ -31,4 +31,4 @@ ENV FLEET_ENV=production \
     PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus
 USER fleet
 EXPOSE 8000
-CMD ["sh", "-c", "rm -rf $PROMETHEUS_MULTIPROC_DIR && mkdir -p $PROMETHEUS_MULTIPROC_DIR && exec uvicorn fleet.asgi:application --host 0.0.0.0 --port 8000 --workers ${WEB_CONCURRENCY:-2} --ws wsproto --loop uvloop --http httptools --lifespan off --no-access-log --proxy-headers --forwarded-allow-ips='*'"]
+CMD ["sh", "-c", "rm -rf $PROMETHEUS_MULTIPROC_DIR && mkdir -p $PROMETHEUS_MULTIPROC_DIR && exec uvicorn fleet.asgi:application --host 0.0.0.0 --port 8000 --workers ${WEB_CONCURRENCY:-2} --ws wsproto --ws-ping-interval 60 --ws-ping-timeout 30 --loop uvloop --http httptools --lifespan off --no-access-log --proxy-headers --forwarded-allow-ips='*'"]

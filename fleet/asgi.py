@@ -14,8 +14,11 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from fleet import wsmask  # noqa: E402
 from fleet.asgi_limits import BodyLimitMiddleware  # noqa: E402
 from fleet.routing import websocket_router  # noqa: E402
+
+wsmask.install()  # client frames unmasked by numpy, not byte by byte (fleet/wsmask.py)
 
 # Each open WebSocket keeps ~100 objects tracked by the cyclic GC; with the default thresholds full
 # collections over thousands of connections stall the event loop for hundreds of milliseconds

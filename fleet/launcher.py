@@ -224,6 +224,12 @@ def run(args: argparse.Namespace) -> int:
                 str(args.web_workers),
                 "--ws",
                 "wsproto",
+                # Protocol pings only find sockets whose peer vanished (presence comes from the agents'
+                # heartbeats): uvicorn's default, every 20 s, was 100 pings and pongs a second for 2,000 agents.
+                "--ws-ping-interval",
+                "60",
+                "--ws-ping-timeout",
+                "30",
                 "--loop",
                 "uvloop",
                 "--http",

@@ -1,8 +1,9 @@
 """The fleet simulator's baseline: a no-op server that speaks the same protocol on the same transport.
 
-A bare ASGI app run by uvicorn with the product's flags (``--ws wsproto --loop uvloop --http httptools``, the
-same number of processes). On ``/ws/agent/`` it sends a challenge, welcomes any hello, acknowledges heartbeats,
-and takes ``delta_begin`` / ``delta_chunk`` like the product's consumer does at the wire level (each message
+A bare ASGI app run by uvicorn with the product's flags (``--ws wsproto --ws-ping-interval 60 --loop uvloop
+--http httptools``, the same number of processes, client frames unmasked by ``fleet.wsmask`` as in the
+product). On ``/ws/agent/`` it sends a challenge, welcomes any hello, acknowledges heartbeats, and takes
+``delta_begin`` / ``delta_chunk`` like the product's consumer does at the wire level (each message
 JSON-decoded, each chunk's base64 decoded, offsets checked), but stores nothing and verifies nothing: the last
 chunk is answered with the state ``accepted`` at once. Over REST, ``PUT /api/v1/device/deltas/<sha256>/`` reads
 the whole body and answers ``accepted``; the device-auth endpoints hand out a dummy token. So the same agents
@@ -28,8 +29,10 @@ from edge_agent.protocol import (
     decode_chunk_frame,
     encode,
 )
+from fleet import wsmask
 
 HEARTBEAT_INTERVAL = int(os.environ.get("HEARTBEAT_INTERVAL_SECONDS", "30"))
+wsmask.install()  # as fleet/asgi.py does
 
 
 def _state(sha256: str, size: int, offset: int, state: str) -> str:
@@ -152,6 +155,10 @@ class EchoServer:
             str(web_workers),
             "--ws",
             "wsproto",
+            "--ws-ping-interval",
+            "60",
+            "--ws-ping-timeout",
+            "30",
             "--loop",
             "uvloop",
             "--http",
