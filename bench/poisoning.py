@@ -34,7 +34,7 @@ import torch
 from poisoning_attacks import ATTACKS, Fleet, attacker_update
 
 from edge_agent.delta import encode_delta
-from training.aggregation_settings import AGGREGATION_DEFAULTS
+from training.aggregation_settings import AGGREGATION_DEFAULTS, ROBUST
 from training.strategies import DeltaInput, get_strategy
 from training.strategies.base import delta_norm
 
@@ -45,9 +45,23 @@ DEFAULT_STRATEGIES = ("fedavg", "fedavg+clip", "trimmed_mean", "median", "krum",
 NO_ATTACK = "none"
 
 
+SUFFIXES = ("+clip", "+nnm")
+
+
+def parse_label(label: str) -> tuple[str, set[str]]:
+    """``median+nnm+clip`` -> ``("median", {"+nnm", "+clip"})``."""
+    name, found = label, set()
+    while any(name.endswith(suffix) for suffix in SUFFIXES):
+        suffix = next(suffix for suffix in SUFFIXES if name.endswith(suffix))
+        name, found = name.removesuffix(suffix), found | {suffix}
+    return name, found
+
+
 def known_strategy(label: str) -> bool:
-    """``<strategy>`` or ``<strategy>+clip`` (norm clipping as the pre-step, any strategy)."""
-    return label.removesuffix("+clip") in BASES
+    """``<strategy>``, optionally with ``+clip`` (norm clipping as the pre-step, any strategy) and ``+nnm``
+    (nearest-neighbour mixing, the robust strategies)."""
+    name, suffixes = parse_label(label)
+    return name in BASES and not ("+nnm" in suffixes and name not in ROBUST)
 
 
 def strategy_params(label: str, args, norms: list[float]) -> tuple[str, dict]:
@@ -55,13 +69,15 @@ def strategy_params(label: str, args, norms: list[float]) -> tuple[str, dict]:
     ``+clip`` sets ``clip_norm`` to the median of the round's delta norms (the server has every accepted delta's
     norm from verification) unless ``--clip-norm`` fixes it: the product's ``clip_norm`` is a fixed adapter
     setting, so this stands for an operator who sets it to the norm honest devices send."""
-    name = label.removesuffix("+clip")
+    name, suffixes = parse_label(label)
     params: dict = {}
     if name == "trimmed_mean":
         params["trim_ratio"] = args.trim_ratio
-    elif name in ("krum", "multi_krum"):
-        params["byzantine"] = args.byzantine
-    if label.endswith("+clip"):
+    if name in ("krum", "multi_krum") or "+nnm" in suffixes:
+        params["byzantine"] = args.byzantine  # Krum's f; mixing averages each delta with its N - f nearest
+    if "+nnm" in suffixes:
+        params["mixing"] = "nnm"
+    if "+clip" in suffixes:
         params["clip_norm"] = args.clip_norm or statistics.median(norms)
     return name, params
 
@@ -280,7 +296,9 @@ def parse_args(argv=None):
     parser.add_argument("--fractions", default="0.1,0.2,0.3")
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument(
-        "--strategies", default=",".join(DEFAULT_STRATEGIES), help=f"of {', '.join(BASES)}, each optionally +clip"
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help=f"of {', '.join(BASES)}; +clip for any, +nnm for the robust ones",
     )
     # The robust strategies are set up for the attacker share the targets are about (20%): an operator sets
     # trim_ratio and Krum's f to the share of devices they defend against; more costs accuracy without attack.

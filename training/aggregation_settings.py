@@ -19,6 +19,7 @@ AGGREGATION_DEFAULTS: dict[str, Any] = {
     "trim_ratio": 0.1,
     "byzantine": None,
     "multi_k": None,
+    "mixing": None,  # "nnm": nearest-neighbour mixing before a robust strategy (training/strategies/robust.py)
     "shard_size": 64,  # deltas per Celery shard for shardable strategies
     "auto_rounds": True,  # open a round when a delta is accepted and none is collecting
     "ffa": False,  # FFA-LoRA: deltas carry only lora_B (and saved modules)
@@ -34,7 +35,8 @@ DP_DEFAULTS: dict[str, Any] = {
     "sample_rate": None,  # None: buffer size / devices in the adapter's cohorts
 }
 
-STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "shard_size")
+ROBUST = ("trimmed_mean", "median", "krum", "multi_krum")  # the strategies mixing applies to
+STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "mixing", "shard_size")
 
 
 def aggregation_settings(adapter) -> dict[str, Any]:
@@ -75,6 +77,8 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name} must be true or false")
     # the strategy's own check of its params (trim_ratio, byzantine, multi_k, ...), as a round would run it
     get_strategy(merged["strategy"]).check_params({name: merged[name] for name in STRATEGY_PARAMS})
+    if merged["mixing"] is not None and merged["strategy"] not in ROBUST:
+        raise ValueError(f"mixing applies to the robust strategies ({', '.join(ROBUST)}), not {merged['strategy']}")
     return values
 
 

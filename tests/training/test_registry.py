@@ -210,6 +210,8 @@ def test_an_adapter_is_created_only_with_aggregation_settings_a_round_can_run(ap
         ({"strategy": "magic"}, "unknown strategy"),
         ({"strategy": "krum", "byzantine": "two"}, "byzantine must be"),
         ({"strategy": "multi_krum", "multi_k": 0}, "multi_k must be"),
+        ({"strategy": "median", "mixing": "mix"}, "mixing must be"),
+        ({"strategy": "fedavg", "mixing": "nnm"}, "mixing applies to the robust strategies"),
         ({"strategy": "trimmed_mean", "trim_ratio": "0.2"}, "trim_ratio must be"),
         ({"strategy": "trimmed_mean", "trim_ratio": 0.5}, "trim_ratio must be"),
         ({"clip_norm": -1}, "clip_norm must be"),
@@ -222,7 +224,7 @@ def test_an_adapter_is_created_only_with_aggregation_settings_a_round_can_run(ap
         assert response.status_code == 400, (bad, response.content)
         assert says in str(response.json()["error"]), (bad, response.json())
     assert not Adapter.objects.filter(name="agg").exists()
-    good = {"strategy": "multi_krum", "byzantine": 2, "trim_ratio": 0.2}
+    good = {"strategy": "multi_krum", "byzantine": 2, "trim_ratio": 0.2, "mixing": "nnm"}
     created = admin.post("/api/v1/adapters/", {**body, "aggregation": good}, format="json")
     assert created.status_code == 201 and created.json()["aggregation"] == good
 

@@ -169,6 +169,40 @@ def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_wo
     assert single.blob_sha256 == sharded.blob_sha256
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(trained, monkeypatch):
+    """The adapter's ``mixing`` reaches the round's params and the strategy (checked against a brute-force
+    nearest-neighbour mixing and median over the flattened deltas)."""
+    from training.aggregation import round_aggregate
+    from training.tasks import aggregate_round, verify_shard
+
+    monkeypatch.setattr(verify_shard, "delay", lambda shard: None)  # verified and aggregated right here
+    monkeypatch.setattr(aggregate_round, "delay", lambda round_id: None)
+    adapter, version, devices = trained
+    aggregation = {"strategy": "median", "mixing": "nnm", "byzantine": 1, "buffer_size": 5, "min_deltas": 1}
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation=aggregation)
+    tensors = [make_delta_tensors(adapter, seed=60 + i, scale=0.01 * (1 + i)) for i in range(5)]
+    for device, delta in zip(devices, tensors, strict=True):
+        assert delta_verify(delta_id=receive(device, adapter, delta, counter=1).pk).state == "accepted"
+    round_ = Round.objects.get()
+    assert round_.state == Round.State.AGGREGATING and round_.params["mixing"] == "nnm"
+    result = round_aggregate(round_id=round_.pk)
+
+    names = list(adapter.tensor_spec)
+    flat = torch.stack([torch.cat([t[name].double().reshape(-1) for name in names]) for t in tensors])
+    mixed = []
+    for i in range(5):  # each delta's 4 nearest (N - f), itself first
+        order = sorted(range(5), key=lambda j: (j != i, float((flat[i] - flat[j]).square().sum())))
+        mixed.append(flat[order[:4]].mean(0))
+    want = torch.stack(mixed).median(dim=0).values
+    plain = flat.median(dim=0).values
+    base = load_safetensors(blob_read(version.blob_sha256))
+    got = load_safetensors(blob_read(result.blob_sha256))
+    got_flat = torch.cat([(got[name] - base[name]).double().reshape(-1) for name in names])
+    torch.testing.assert_close(got_flat, want, rtol=1e-4, atol=1e-6)
+    assert float((got_flat - plain).abs().max()) > 1e-3  # not what median without mixing gives
+
+
 @pytest.mark.django_db
 def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(trained, make_user):
     from fleet.api.errors import ApiError

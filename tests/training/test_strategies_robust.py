@@ -137,6 +137,91 @@ def test_multi_krum_averages_the_m_best(tmp_path):
         run("multi_krum", few, {"multi_k": 0})
 
 
+# -- nearest-neighbour mixing ------------------------------------------------------------------------
+
+
+def flat_of(inputs, factors=None):
+    factors = factors or [1.0] * len(inputs)
+    rows = []
+    for inp, factor in zip(inputs, factors, strict=True):
+        tensors = decoded(inp.path)
+        rows.append(torch.cat([tensors[key].double().reshape(-1) for key in SPEC]) * factor)
+    return torch.stack(rows)
+
+
+def mixed_reference(flat, f):
+    """Each row replaced by the mean of the N - f rows nearest to it, itself included (brute force)."""
+    n = flat.shape[0]
+    rows = []
+    for i in range(n):
+        dists = [(0 if j == i else 1, float(((flat[i] - flat[j]) ** 2).sum()), j) for j in range(n)]
+        nearest = [j for _, _, j in sorted(dists)[: n - f]]
+        rows.append(flat[nearest].mean(0))
+    return torch.stack(rows)
+
+
+def unflat(vector):
+    out, position = {}, 0
+    for key, entry in SPEC.items():
+        size = math.prod(entry["shape"])
+        out[key] = vector[position : position + size].reshape(entry["shape"]).float()
+        position += size
+    return out
+
+
+@pytest.mark.parametrize(("name", "reduce"), [("median", "median"), ("trimmed_mean", "trimmed")])
+def test_mixing_runs_the_coordinate_rule_on_each_delta_s_nearest_mean(tmp_path, monkeypatch, name, reduce):
+    monkeypatch.setattr(strategies_robust, "BLOCK", 3)
+    inputs = make_inputs(tmp_path, 9, scale=2.0)
+    factors = [min(1.0, 15.0 / norm_of(inp.path)) for inp in inputs]
+    assert min(factors) < 1  # clipping comes before mixing
+    mixed = mixed_reference(flat_of(inputs, factors), f=2).float()
+    params = {"mixing": "nnm", "byzantine": 2, "clip_norm": 15.0, "chunk_elements": 7, "trim_ratio": 0.2}
+    got = run(name, inputs, params)
+    want = mixed.median(dim=0).values if reduce == "median" else mixed.sort(dim=0).values[1:8].double().mean(0)
+    assert_same(got, unflat(want.double()), rtol=1e-5, atol=1e-6)
+    key = next(iter(SPEC))
+    assert not torch.equal(got[key], run(name, inputs, {**params, "mixing": None})[key])
+
+
+def test_with_mixing_a_median_of_honest_deltas_and_two_outliers_is_the_honest_mean(tmp_path):
+    inputs = krum_inputs(tmp_path)  # 7 honest around one point, 2 far outliers
+    honest = [inp for index, inp in enumerate(inputs) if index not in (0, 2)]
+    got = run("median", inputs, {"mixing": "nnm", "byzantine": 2, "chunk_elements": 11})
+    # each honest delta's 7 nearest are the 7 honest ones: 7 of the 9 mixed deltas are their mean
+    assert_same(got, weighted_reference(honest, [1] * 7), rtol=1e-5, atol=1e-6)
+
+
+def test_krum_with_mixing_picks_among_the_mixed_deltas_without_reading_them_again(tmp_path, monkeypatch):
+    inputs = make_inputs(tmp_path, 9, seed=1)  # a case where the mixed deltas' ranking is not the originals'
+    reads = []
+    real_gather = strategies_robust.gather
+    monkeypatch.setattr(strategies_robust, "gather", lambda *a: reads.append(1) or real_gather(*a))
+    mixed = mixed_reference(flat_of(inputs), f=2)
+    n = len(inputs)
+    scores = []
+    for i in range(n):
+        dists = sorted(float(((mixed[i] - mixed[j]) ** 2).sum()) for j in range(n) if j != i)
+        scores.append(sum(dists[: n - 2 - 2]))
+    order = sorted(range(n), key=lambda i: (scores[i], i))
+    assert order[0] != min(range(n), key=lambda i: (brute_force_scores(inputs, f=2)[i], i))
+    got = run("krum", inputs, {"mixing": "nnm", "byzantine": 2, "chunk_elements": 10**6})
+    assert len(reads) == 1  # one pass for the Gram matrix; the result is a weighted sum of the originals
+    assert_same(got, unflat(mixed[order[0]]), rtol=1e-5, atol=1e-6)
+    weights = torch.tensor([float(inputs[i].num_samples) for i in order[:4]], dtype=torch.float64)
+    want = (mixed[order[:4]] * weights[:, None]).sum(0) / weights.sum()
+    got = run("multi_krum", inputs, {"mixing": "nnm", "byzantine": 2, "multi_k": 4})
+    assert_same(got, unflat(want), rtol=1e-5, atol=1e-6)
+
+
+def test_mixing_takes_only_nnm(tmp_path):
+    inputs = make_inputs(tmp_path, 3)
+    for bad in ("NNM", "bucketing", 1, True):
+        with pytest.raises(ValueError, match='mixing must be null or "nnm"'):
+            run("median", inputs, {"mixing": bad})
+    assert_same(run("krum", inputs, {"mixing": None}), run("krum", inputs), rtol=0, atol=0)
+
+
 # -- clipping and DP -------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@
 
 Params every strategy accepts (ignoring those it does not use; unknown names are refused):
 ``shard_size`` (64), ``chunk_elements`` (1 << 20), ``clip_norm`` (None), ``trim_ratio`` (0.1),
-``byzantine`` (None: the largest Krum allows), ``multi_k`` (None: N - f); and ``dp`` for fedavg, fedbuff
+``byzantine`` (None: the largest Krum allows), ``multi_k`` (None: N - f), ``mixing`` (None, or ``"nnm"``:
+nearest-neighbour mixing before the robust strategies, see ``robust.py``); and ``dp`` for fedavg, fedbuff
 and ffa_lora only (see ``dp.py``).
 """
 

@@ -256,6 +256,7 @@ PARAMS: dict[str, tuple] = {
     "trim_ratio": (0.1, lambda v: _is_real(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
     "byzantine": (None, lambda v: v is None or _whole(0)(v), "a whole number >= 0 or null"),
     "multi_k": (None, lambda v: v is None or _whole(1)(v), "a whole number >= 1 or null"),
+    "mixing": (None, lambda v: v is None or v == "nnm", 'null or "nnm" (nearest-neighbour mixing)'),
 }
 
 

@@ -11,6 +11,13 @@ let one attacker claiming a huge sample count outweigh everyone and void the bre
 exist for (a trimmed mean or median tolerates a fraction of bad *deltas*, not of claimed samples). Only
 Multi-Krum weights, after selection, the deltas it has already judged honest.
 
+Nearest-neighbour mixing (``mixing: "nnm"``, Allouah et al., "Fixing by Mixing", AISTATS 2023) is a pre-step
+for any of the four: each delta is replaced by the mean of the N - f deltas nearest to it (itself included),
+and the rule runs on those means. Honest devices with different data (non-IID shards) then look alike to the
+rule, so median and Krum stop paying for their disagreement; an attacker's delta is mixed with honest ones
+and honest means keep at most f attackers' share each. It costs one more pass over the deltas (the Gram
+matrix, O(N^2)); Krum needs that pass anyway and mixes its distances without reading the deltas again.
+
 Krum's guarantee needs N >= 2f + 3. Rather than refuse small rounds, f (``byzantine``, default
 floor((N - 3) / 2)) is clamped to max(0, floor((N - 3) / 2)), and the neighbour count N - f - 2 to at least 1:
 with fewer than 5 deltas Krum tolerates no attacker and just picks the most central delta. Ties go to the
@@ -106,6 +113,31 @@ def scatter(result: dict[str, torch.Tensor], segments: list[Segment], values: to
         position += segment.size
 
 
+def squared_distances(gram: torch.Tensor) -> torch.Tensor:
+    """Pairwise squared L2 distances from a Gram matrix (float64, zero diagonal)."""
+    squares = gram.diagonal().clone()
+    distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_min_(0)
+    return distances.fill_diagonal_(0)
+
+
+def byzantine_count(given: int | None, n: int) -> int:
+    """f for N deltas: the given one (default the largest allowed), clamped to max(0, floor((N - 3) / 2))."""
+    bound = max(0, (n - 3) // 2)
+    return bound if given is None else min(given, bound)
+
+
+def mixing_matrix(distances: torch.Tensor, f: int) -> torch.Tensor:
+    """Nearest-neighbour mixing: row i holds 1 / (N - f) for the N - f deltas nearest delta i (itself first,
+    then by distance, ties to the earlier input) and 0 elsewhere. float64 [N, N]."""
+    n = distances.shape[0]
+    keep = max(1, n - f)
+    mixing = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        nearest = sorted(range(n), key=lambda j: (j != i, float(distances[i, j]), j))[:keep]
+        mixing[i, nearest] = 1.0 / keep
+    return mixing
+
+
 class RobustStrategy(Strategy):
     def prepare(self, inputs, spec, params):
         params = self.check_params(params)
@@ -118,6 +150,22 @@ class RobustStrategy(Strategy):
         for segments in chunk_plan(shapes, chunk_elements):
             yield segments, gather(inputs, segments, factors)
 
+    def gram(self, inputs, shapes, factors, chunk_elements) -> torch.Tensor:
+        """The clipped deltas' Gram matrix, accumulated over coordinate chunks in float64 (O(N^2) memory)."""
+        n = len(inputs)
+        gram = torch.zeros(n, n, dtype=torch.float64)
+        for _, stacked in self.chunks(inputs, shapes, factors, chunk_elements):
+            for block in blocks(stacked):
+                block = block.to(torch.float64)
+                gram.addmm_(block, block.T)
+        return gram
+
+    def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor | None:
+        """The nearest-neighbour mixing matrix if ``mixing`` is ``"nnm"`` (f from ``byzantine``), else None."""
+        if params["mixing"] != "nnm":
+            return None
+        return mixing_matrix(squared_distances(gram), byzantine_count(params["byzantine"], gram.shape[0]))
+
 
 class CoordinateStrategy(RobustStrategy):
     def reduce(self, stacked: torch.Tensor, params: dict) -> torch.Tensor:
@@ -125,9 +173,17 @@ class CoordinateStrategy(RobustStrategy):
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         params, shapes, inputs, factors = self.prepare(inputs, spec, params)
+        mixing = None
+        if params["mixing"] is not None:
+            mixing = self.mixing(self.gram(inputs, shapes, factors, params["chunk_elements"]), params)
         result = {key: torch.zeros(shape, dtype=torch.float32) for key, shape in shapes.items()}
         for segments, stacked in self.chunks(inputs, shapes, factors, params["chunk_elements"]):
-            scatter(result, segments, torch.cat([self.reduce(block, params) for block in blocks(stacked)]))
+            reduced = []
+            for block in blocks(stacked):
+                if mixing is not None:  # block by block, so the float64 product stays a block's size
+                    block = (mixing @ block.to(torch.float64)).to(torch.float32)
+                reduced.append(self.reduce(block, params))
+            scatter(result, segments, torch.cat(reduced))
         return result
 
 
@@ -156,12 +212,6 @@ class Median(CoordinateStrategy):
         return ((ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2).to(torch.float32)
 
 
-def byzantine_count(given: int | None, n: int) -> int:
-    """f for N deltas: the given one (default the largest allowed), clamped to max(0, floor((N - 3) / 2))."""
-    bound = max(0, (n - 3) // 2)
-    return bound if given is None else min(given, bound)
-
-
 def krum_scores(distances: torch.Tensor, f: int) -> list[float]:
     """Per delta, the sum of its squared distances to its N - f - 2 nearest others (at least 1)."""
     n = distances.shape[0]
@@ -175,7 +225,9 @@ def krum_scores(distances: torch.Tensor, f: int) -> list[float]:
 
 class Krum(RobustStrategy):
     """Krum: the delta with the smallest sum of squared distances to its N - f - 2 nearest neighbours.
-    Distances come from a Gram matrix accumulated over coordinate chunks in float64 (O(N^2) memory)."""
+    Distances come from a Gram matrix accumulated over coordinate chunks in float64 (O(N^2) memory). With
+    mixing, the mixed deltas' Gram matrix is M G M^T, and the chosen mixed delta is read back as its weighted
+    sum of the originals."""
 
     name = "krum"
 
@@ -185,23 +237,24 @@ class Krum(RobustStrategy):
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         params, shapes, inputs, factors = self.prepare(inputs, spec, params)
         n = len(inputs)
-        gram = torch.zeros(n, n, dtype=torch.float64)
-        for _, stacked in self.chunks(inputs, shapes, factors, params["chunk_elements"]):
-            for block in blocks(stacked):
-                block = block.to(torch.float64)
-                gram.addmm_(block, block.T)
-        squares = gram.diagonal().clone()
-        distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_min_(0)
-        distances.fill_diagonal_(0)
+        gram = self.gram(inputs, shapes, factors, params["chunk_elements"])
+        mixing = self.mixing(gram, params)
+        if mixing is not None:
+            gram = mixing @ gram @ mixing.T
         f = byzantine_count(params["byzantine"], n)
-        scores = krum_scores(distances, f)
+        scores = krum_scores(squared_distances(gram), f)
         order = sorted(range(n), key=lambda i: (scores[i], i))
         chosen = order[: self.select(params, n, f)]
-        picked = [inputs[i] for i in chosen]
         weights = [float(inputs[i].num_samples) if len(chosen) > 1 else 1.0 for i in chosen]
-        sums = weighted_sum(picked, [w * factors[i] for w, i in zip(weights, chosen, strict=True)], shapes, shapes)
         total = math.fsum(weights)
-        return {key: (sums[key] / total).to(torch.float32) for key in shapes}
+        if mixing is None:
+            share = {i: w / total for i, w in zip(chosen, weights, strict=True)}
+        else:  # each chosen mixed delta is a mean of originals: their shares add up
+            mixed = sum(w * mixing[i] for i, w in zip(chosen, weights, strict=True)) / total
+            share = {j: float(mixed[j]) for j in range(n) if float(mixed[j]) > 0}
+        picked = sorted(share)
+        sums = weighted_sum([inputs[j] for j in picked], [share[j] * factors[j] for j in picked], shapes, shapes)
+        return {key: sums[key].to(torch.float32) for key in shapes}
 
 
 class MultiKrum(Krum):
