@@ -54,6 +54,18 @@ def trained(adapter, cohort, enrolled):
     return adapter, version, [enrolled("active", name=f"d{i}") for i in range(5)]
 
 
+def revoke_delayed_tasks() -> None:
+    """Revoke the tasks an earlier test left waiting in the session's worker: a drain's look again
+    (``verify_queue.shard_drain`` queues one LOCK_SECONDS + 1 later) would verify this test's deltas of its
+    shard when it fires."""
+    from fleet.celery import app
+
+    scheduled = app.control.inspect(timeout=2).scheduled() or {}
+    ids = [entry["request"]["id"] for entries in scheduled.values() for entry in entries]
+    if ids:
+        app.control.revoke(ids)
+
+
 def wait_for(check, timeout: float = 180.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -174,9 +186,10 @@ def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(t
     """The adapter's ``mixing`` reaches the round's params and the strategy (checked against a brute-force
     nearest-neighbour mixing and median over the flattened deltas)."""
     from training.aggregation import round_aggregate
-    from training.tasks import aggregate_round, verify_shard
+    from training.tasks import aggregate_round
 
-    monkeypatch.setattr(verify_shard, "delay", lambda shard: None)  # verified and aggregated right here
+    # verified and aggregated right here (no wake flag raised either, so no later test waits on it)
+    monkeypatch.setattr("training.verify_queue.queue_verification", lambda delta_id: None)
     monkeypatch.setattr(aggregate_round, "delay", lambda round_id: None)
     adapter, version, devices = trained
     aggregation = {"strategy": "median", "mixing": "nnm", "byzantine": 1, "buffer_size": 5, "min_deltas": 1}
@@ -233,6 +246,7 @@ def test_a_delta_whose_verification_task_was_lost_is_queued_again_and_verified_o
     from training.tasks import requeue_unverified_deltas
 
     adapter, _, devices = trained
+    revoke_delayed_tasks()
     # The upload commits but its verification task never reaches the broker (the web process died, or Redis
     # was away, between the commit and the publish).
     lost = []

@@ -24,17 +24,22 @@ def wakes(monkeypatch, settings):
     """The shards whose drain task was queued, in order (``verify_shard.delay``), the delayed looks again
     (``apply_async``) and the closed rounds handed to aggregation (``aggregate_round.delay``, kept from the
     test session's Celery worker, whose aggregation would race the teardown's flush); every flag, lock and
-    look-again mark starts down."""
+    look-again mark starts down, and is lowered again after the test."""
     from training.tasks import aggregate_round, verify_shard
 
-    settings.DELTA_VERIFY_SHARDS = 4
-    for shard in range(settings.DELTA_VERIFY_SHARDS):
-        cache.delete_many([verify_queue._flag(shard), verify_queue._lock(shard), f"verify:recheck:{shard}"])
+    settings.DELTA_VERIFY_SHARDS = shards = 4  # a test may lower it; its shards are among these
+
+    def lower_everything():
+        for shard in range(shards):
+            cache.delete_many([verify_queue._flag(shard), verify_queue._lock(shard), f"verify:recheck:{shard}"])
+
+    lower_everything()
     queued: dict[str, list] = {"delay": [], "later": [], "aggregate": []}
     monkeypatch.setattr(verify_shard, "delay", lambda shard: queued["delay"].append(shard))
     monkeypatch.setattr(aggregate_round, "delay", lambda round_id: queued["aggregate"].append(round_id))
     monkeypatch.setattr(verify_shard, "apply_async", lambda args, countdown: queued["later"].append((args, countdown)))
-    return queued
+    yield queued
+    lower_everything()  # a flag raised here has no task behind it: it must not hold back a later test's wake
 
 
 @pytest.fixture
