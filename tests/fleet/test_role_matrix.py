@@ -8,8 +8,9 @@ against real objects: the roles below the lowest are refused and change nothing,
 role check. ENDPOINTS and PAGES call a sample with real bodies as the allowed roles.
 
 The device half (a device credential on every route, operators on device routes, devices acting as other
-devices) is tests/devices/test_device_authz_matrix.py; the inventory, the world and ``db_state`` are in
-tests/authz_support.py.
+devices) is tests/devices/test_device_authz_matrix.py (with test_device_authz_other_device.py and
+test_device_authz_socket.py); the inventory is in tests/authz_routes.py, the world in tests/authz_support.py and
+``db_state`` in tests/authz_snapshot.py.
 """
 
 from __future__ import annotations
@@ -18,22 +19,19 @@ import itertools
 
 import pytest
 
-from tests.authz_support import (
+from tests.authz_routes import (
     API_ROLES,
     DEVICE_ROUTES,
-    FAST_PASSWORD_HASHERS,
     NOBODY,
     PAGE_ROLES,
     PUBLIC_ROUTES,
     VIEWER,
     WAITS_FOR_WORKERS,
-    build_world,
-    db_changes,
-    db_state,
-    rolled_back,
     routes,
     routes_by_name,
 )
+from tests.authz_snapshot import db_changes, db_state
+from tests.authz_support import FAST_PASSWORD_HASHERS, build_world, rolled_back
 
 ROLES = [None, "viewer", "operator", "admin"]
 RANK = {None: 0, "viewer": 1, "operator": 2, "admin": 3}

@@ -1,4 +1,5 @@
-"""Fixtures for the dashboard tests: a signed-in client per role and rows made in bulk.
+"""Fixtures for the dashboard tests: a signed-in client per role, rows made in bulk, and the small fleet the
+page tests share (``world``: test_pages.py and test_training_pages.py).
 
 Pages only read, so the bulk builders write rows directly (``bulk_create``) to reach fleet-sized counts
 quickly; the actions under test go through the real services.
@@ -9,13 +10,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 import secrets
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
-from devices.models import Device, DeviceStatus
-from training.models import AdapterVersion, Delta
+from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
+from devices.services import enrollment_token_create
+from training.models import AdapterVersion, Delta, Rollout, Round
+from training.rollouts import rollout_create
+from training.rounds import round_open
 
 
 @pytest.fixture(autouse=True)
@@ -121,3 +126,35 @@ def make_deltas(devices, adapter, base_version, count: int, *, round_=None, reje
             )
         )
     return Delta.objects.bulk_create(rows)
+
+
+@dataclass
+class World:
+    cohort: Cohort
+    adapter: object
+    versions: list
+    devices: list
+    pending: list
+    round: Round
+    rollout: Rollout
+    token: EnrollmentToken
+
+
+@pytest.fixture
+def pages_world(cohort, adapter, make_user) -> World:
+    adapter.cohorts.add(cohort)
+    operator = make_user("operator")
+    versions = make_versions(adapter, 3)
+    devices = make_devices(cohort, 6)
+    pending = make_devices(cohort, 2, status=DeviceStatus.PENDING, prefix="new")
+    round_ = round_open(adapter=adapter, actor=operator, buffer_size=50)
+    make_deltas(devices, adapter, versions[-1], 8, round_=round_, rejected_every=4)
+    rollout = rollout_create(
+        version=versions[-1],
+        cohort=cohort,
+        phases=[{"percent": 50, "min_soak_seconds": 60}, {"percent": 100}],
+        guards=[{"metric": "eval_accuracy", "min": 0.8}],
+        actor=operator,
+    )
+    issued = enrollment_token_create(cohort=cohort, name="line-1", expires_at=timezone.now() + timedelta(days=1))
+    return World(cohort, adapter, versions, devices, pending, round_, rollout, issued.token)

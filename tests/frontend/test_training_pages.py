@@ -1,0 +1,193 @@
+"""The training pages' actions: models and adapters, rounds and rollouts (allowed, refused, and their errors),
+on the ``pages_world`` of conftest.py (every page for every role is in test_pages.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from devices.models import Cohort
+from tests.frontend.conftest import make_versions
+from training.models import Rollout, Round, TrainingEvent
+from training.rounds import round_open
+
+pytestmark = pytest.mark.django_db
+
+
+# --- models and adapters ----------------------------------------------------------------------------------
+
+
+def test_adapter_page_shows_lineage_with_parents_a_metrics_chart_and_export_for_operators(pages_world, client_for):
+    from training.models import AdapterVersion
+
+    branch = AdapterVersion.objects.create(
+        adapter=pages_world.adapter,
+        number=4,
+        parent=pages_world.versions[0],
+        blob_sha256="f" * 64,
+        size=1,
+        source="import",
+    )
+    html = client_for("viewer").get(f"/adapters/{pages_world.adapter.pk}/").content.decode()
+    assert html.count('class="line"') == 2  # eval_accuracy and eval_loss
+    assert html.count('class="point"') == 2 * 3  # the branch has no metrics
+    assert re.search(rf'data-version="{branch.number}">.*?--depth: 1.*?↳', html, re.S)  # a fork is indented
+    assert re.search(r'data-version="3">.*?--depth: 0.*?<td>v2</td>', html, re.S)  # the chain stays flat
+    assert "export PEFT" not in html
+    operator_html = client_for("operator").get(f"/adapters/{pages_world.adapter.pk}/").content.decode()
+    assert f"/api/v1/adapter-versions/{pages_world.versions[0].pk}/export/" in operator_html
+
+
+def test_the_export_link_serves_a_peft_zip_to_operators(adapter, client_for):
+    import io
+    import zipfile
+
+    from training.services import version_create_seeded
+
+    version = version_create_seeded(adapter=adapter, seed=1)
+    response = client_for("operator").get(f"/api/v1/adapter-versions/{version.pk}/export/")
+    assert response.status_code == 200
+    assert set(zipfile.ZipFile(io.BytesIO(response.content)).namelist()) == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+    }
+    assert client_for("viewer").get(f"/api/v1/adapter-versions/{version.pk}/export/").status_code == 403
+
+
+# --- rounds ----------------------------------------------------------------------------------------------
+
+
+def test_operator_opens_a_round_and_a_second_open_is_refused_with_the_reason(adapter, cohort, client_for):
+    make_versions(adapter, 1)
+    operator = client_for("operator")
+    assert client_for("viewer").post("/rounds/", {"adapter": adapter.pk}).status_code == 403
+    response = operator.post("/rounds/", {"adapter": adapter.pk, "buffer_size": 4})
+    round_ = Round.objects.get(adapter=adapter)
+    assert response.status_code == 302 and response["Location"] == f"/rounds/{round_.pk}/"
+    assert round_.buffer_size == 4 and round_.state == "collecting"
+    html = operator.post("/rounds/", {"adapter": adapter.pk}, follow=True).content.decode()
+    assert "already has a collecting round" in html and Round.objects.count() == 1
+
+
+def test_closing_a_round_needs_an_operator_and_an_accepted_delta(pages_world, client_for):
+    empty = Round.objects.create(
+        adapter=pages_world.adapter,
+        base_version=pages_world.versions[0],
+        strategy="fedavg",
+        buffer_size=5,
+        state="failed",
+    )
+    url = f"/rounds/{pages_world.round.pk}/close/"
+    assert client_for("viewer").post(url).status_code == 403
+    html = client_for("operator").post(url, follow=True).content.decode()
+    assert f"Closed round {pages_world.round.pk}" in html
+    pages_world.round.refresh_from_db()
+    assert pages_world.round.state == "aggregating" and pages_world.round.close_reason == "manual"
+    html = client_for("operator").post(url, follow=True).content.decode()
+    assert "the round is aggregating, not collecting" in html
+    html = client_for("operator").post(f"/rounds/{empty.pk}/rerun/", follow=True).content.decode()
+    assert f"Round {empty.pk} is aggregating again." in html
+    assert TrainingEvent.objects.filter(kind="round.rerun").count() == 1
+
+
+def test_closing_an_empty_round_explains_why_not(adapter, client_for, make_user):
+    make_versions(adapter, 1)
+    round_ = round_open(adapter=adapter, actor=make_user("operator"))
+    html = client_for("operator").post(f"/rounds/{round_.pk}/close/", follow=True).content.decode()
+    assert "the round has no accepted deltas yet" in html
+    assert Round.objects.get(pk=round_.pk).state == "collecting"
+
+
+def test_round_detail_lists_every_delta_with_its_result_and_offers_actions_by_role(pages_world, client_for):
+    html = client_for("viewer").get(f"/rounds/{pages_world.round.pk}/").content.decode()
+    assert html.count("data-delta=") == 8
+    assert html.count("norm_too_large") == 2 and "update norm 1e6 is above the bound" in html
+    assert 'data-testid="round-progress">6 / 50<' in html and "fedavg" in html
+    assert "Close now" not in html
+    assert "Close now" in client_for("operator").get(f"/rounds/{pages_world.round.pk}/").content.decode()
+    rejected = client_for("viewer").get(f"/rounds/{pages_world.round.pk}/?state=rejected").content.decode()
+    assert rejected.count("data-delta=") == 2
+
+
+# --- rollouts --------------------------------------------------------------------------------------------
+
+
+def test_operator_creates_a_rollout_from_the_form(pages_world, client_for):
+    response = client_for("operator").post(
+        "/rollouts/new/",
+        {
+            "version": pages_world.versions[1].pk,
+            "cohort": pages_world.cohort.pk,
+            "phases": "20:60, 100:0",
+            "guards": "eval_accuracy min 0.7 3\nlatency_ms max 50",
+            "on_breach": "rollback",
+            "max_failure_rate": "0.1",
+        },
+    )
+    rollout = Rollout.objects.exclude(pk=pages_world.rollout.pk).get()
+    assert response.status_code == 302 and response["Location"] == f"/rollouts/{rollout.pk}/"
+    assert rollout.phases == [{"percent": 20.0, "min_soak_seconds": 60}, {"percent": 100.0, "min_soak_seconds": 0}]
+    assert rollout.guards == [
+        {"metric": "eval_accuracy", "min": 0.7, "min_reports": 3},
+        {"metric": "latency_ms", "max": 50.0, "min_reports": 1},
+    ]
+    assert rollout.on_breach == "rollback" and rollout.state == "draft"
+
+
+def test_a_bad_rollout_form_says_what_is_wrong_and_creates_nothing(pages_world, client_for):
+    client = client_for("operator")
+    base = {
+        "version": pages_world.versions[1].pk,
+        "cohort": pages_world.cohort.pk,
+        "on_breach": "pause",
+        "max_failure_rate": "0.2",
+    }
+    response = client.post("/rollouts/new/", {**base, "phases": "50:60, 20:0"})
+    assert response.status_code == 400 and "percent must rise above 50" in response.content.decode()
+    response = client.post("/rollouts/new/", {**base, "phases": "ten"})
+    assert response.status_code == 400 and "is not percent:seconds" in response.content.decode()
+    response = client.post("/rollouts/new/", {**base, "phases": "100", "guards": "accuracy above 3"})
+    assert response.status_code == 400 and "metric min|max value" in response.content.decode()
+    other = Cohort.objects.create(name="not-served")
+    response = client.post("/rollouts/new/", {**base, "cohort": other.pk, "phases": "100"})
+    assert response.status_code == 400 and "does not serve cohort not-served" in response.content.decode()
+    assert Rollout.objects.count() == 1
+    assert client_for("viewer").post("/rollouts/new/", {**base, "phases": "100"}).status_code == 403
+
+
+def test_rollout_lifecycle_from_the_detail_page(pages_world, client_for):
+    url = f"/rollouts/{pages_world.rollout.pk}"
+    operator = client_for("operator")
+    assert client_for("viewer").post(f"{url}/start/").status_code == 403
+    assert 'data-action="start"' not in client_for("viewer").get(f"{url}/").content.decode()
+    assert 'data-action="start"' in operator.get(f"{url}/").content.decode()
+    assert "started" in operator.post(f"{url}/start/", follow=True).content.decode()
+    pages_world.rollout.refresh_from_db()
+    assert pages_world.rollout.state == "running" and pages_world.rollout.assignments.count() > 0
+    html = operator.post(f"{url}/pause/", {"reason": "checking metrics"}, follow=True).content.decode()
+    assert "paused" in html and "checking metrics" in html
+    assert "Cannot pause a rollout that is paused." in operator.post(f"{url}/pause/", follow=True).content.decode()
+    operator.post(f"{url}/resume/")
+    pages_world.rollout.refresh_from_db()
+    assert pages_world.rollout.state == "running"
+    operator.post(f"{url}/rollback/", {"reason": "bad"})
+    pages_world.rollout.refresh_from_db()
+    assert pages_world.rollout.state == "rolled_back"
+    assert operator.post(f"{url}/explode/").status_code == 404
+
+
+def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_thresholds(
+    pages_world, client_for, make_user
+):
+    from training.models import Assignment
+    from training.rollouts import rollout_start
+
+    rollout_start(rollout=pages_world.rollout, actor=make_user("operator"))
+    assigned = list(pages_world.rollout.assignments.all())
+    Assignment.objects.filter(pk=assigned[0].pk).update(state="installed", metrics={"eval_accuracy": 0.5})
+    html = client_for("viewer").get(f"/rollouts/{pages_world.rollout.pk}/").content.decode()
+    assert re.search(r'data-phase="0">.*?current.*?1 / ' + str(len(assigned)), html, re.S)
+    assert re.search(r'data-phase="1">.*?upcoming', html, re.S)
+    assert re.search(r'class="breached">\s*<td>eval_accuracy</td>\s*<td>≥ 0.8', html)
+    assert "0.5000 breached" in html and "failure_rate" in html
