@@ -403,7 +403,7 @@ def report(data: dict) -> None:
         "seeds (their accuracy range in brackets). Worst class = the lowest per-class accuracy; backdoor success = "
         "share of triggered test images not "
         f"of class {settings['backdoor_target']} classified as {settings['backdoor_target']}. Settings: trimmed_mean "
-        f"trim_ratio {settings['trim_ratio']}, krum / multi_krum byzantine f={settings['byzantine']}, +clip: "
+        f"trim_ratio {settings['trim_ratio']}, krum / multi_krum and +nnm byzantine f={settings['byzantine']}, +clip: "
         f"clip_norm = {settings['clip_norm']}, verification max_norm {settings['max_norm']:g}.\n"
     )
     if settings["quick"]:

@@ -192,26 +192,56 @@ def test_with_mixing_a_median_of_honest_deltas_and_two_outliers_is_the_honest_me
     assert_same(got, weighted_reference(honest, [1] * 7), rtol=1e-5, atol=1e-6)
 
 
+def krum_order(rows, f):
+    """Rows ranked by Krum's score (brute force over the given vectors)."""
+    n = len(rows)
+    scores = []
+    for i in range(n):
+        dists = sorted(float(((rows[i] - rows[j]) ** 2).sum()) for j in range(n) if j != i)
+        scores.append(sum(dists[: n - f - 2]))
+    return sorted(range(n), key=lambda i: (scores[i], i))
+
+
 def test_krum_with_mixing_picks_among_the_mixed_deltas_without_reading_them_again(tmp_path, monkeypatch):
     inputs = make_inputs(tmp_path, 9, seed=1)  # a case where the mixed deltas' ranking is not the originals'
     reads = []
     real_gather = strategies_robust.gather
     monkeypatch.setattr(strategies_robust, "gather", lambda *a: reads.append(1) or real_gather(*a))
     mixed = mixed_reference(flat_of(inputs), f=2)
-    n = len(inputs)
-    scores = []
-    for i in range(n):
-        dists = sorted(float(((mixed[i] - mixed[j]) ** 2).sum()) for j in range(n) if j != i)
-        scores.append(sum(dists[: n - 2 - 2]))
-    order = sorted(range(n), key=lambda i: (scores[i], i))
-    assert order[0] != min(range(n), key=lambda i: (brute_force_scores(inputs, f=2)[i], i))
+    order = krum_order(mixed, f=2)
+    assert order[0] != krum_order(flat_of(inputs), f=2)[0]
     got = run("krum", inputs, {"mixing": "nnm", "byzantine": 2, "chunk_elements": 10**6})
     assert len(reads) == 1  # one pass for the Gram matrix; the result is a weighted sum of the originals
     assert_same(got, unflat(mixed[order[0]]), rtol=1e-5, atol=1e-6)
-    weights = torch.tensor([float(inputs[i].num_samples) for i in order[:4]], dtype=torch.float64)
-    want = (mixed[order[:4]] * weights[:, None]).sum(0) / weights.sum()
-    got = run("multi_krum", inputs, {"mixing": "nnm", "byzantine": 2, "multi_k": 4})
+    # Multi-Krum on clipped deltas: clipped, then mixed, then the best 4 mixed ones weighted by their samples
+    factors = [min(1.0, 12.0 / norm_of(inp.path)) for inp in inputs]
+    assert min(factors) < 1
+    mixed = mixed_reference(flat_of(inputs, factors), f=2)
+    best = krum_order(mixed, f=2)[:4]
+    weights = torch.tensor([float(inputs[i].num_samples) for i in best], dtype=torch.float64)
+    want = (mixed[best] * weights[:, None]).sum(0) / weights.sum()
+    got = run("multi_krum", inputs, {"mixing": "nnm", "byzantine": 2, "multi_k": 4, "clip_norm": 12.0})
     assert_same(got, unflat(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("n", "attackers"), [(3, 1), (4, 1), (6, 2)])
+@pytest.mark.parametrize("name", ["median", "trimmed_mean", "krum", "multi_krum"])
+def test_mixing_keeps_a_small_round_s_attackers_out_while_honest_devices_are_a_majority(tmp_path, n, attackers, name):
+    """Mixing's f is capped by N > 2f, not by Krum's N >= 2f + 3: with 1 attacker of 3 or 4 and 2 of 6 the
+    honest neighbourhoods hold no attacker, and every rule returns the honest deltas' mean."""
+    gen = torch.Generator().manual_seed(4)
+    center = rand_tensors(gen)
+    honest = [
+        DeltaInput(write(tmp_path, f"h{i}", {k: center[k] + rand_tensors(gen, scale=0.01)[k] for k in SPEC}), 5)
+        for i in range(n - attackers)
+    ]
+    bad = [DeltaInput(write(tmp_path, f"a{i}", {k: -1000 * center[k] for k in SPEC}), 5) for i in range(attackers)]
+    # trimmed mean trims one per side per attacker; Multi-Krum keeps the N - attackers best (its own f is
+    # clamped by N >= 2f + 3, and would keep them all)
+    params = {"mixing": "nnm", "byzantine": attackers, "trim_ratio": 0.34, "multi_k": n - attackers}
+    got = run(name, bad + honest, params)
+    assert_same(got, weighted_reference(honest, [1] * len(honest)), rtol=1e-4, atol=1e-5)
+    assert float(run(name, bad + honest, {**params, "byzantine": None})[next(iter(SPEC))].abs().max()) < 10
 
 
 def test_mixing_takes_only_nnm(tmp_path):
@@ -219,7 +249,6 @@ def test_mixing_takes_only_nnm(tmp_path):
     for bad in ("NNM", "bucketing", 1, True):
         with pytest.raises(ValueError, match='mixing must be null or "nnm"'):
             run("median", inputs, {"mixing": bad})
-    assert_same(run("krum", inputs, {"mixing": None}), run("krum", inputs), rtol=0, atol=0)
 
 
 # -- clipping and DP -------------------------------------------------------------------------------------

@@ -15,8 +15,12 @@ Nearest-neighbour mixing (``mixing: "nnm"``, Allouah et al., "Fixing by Mixing",
 for any of the four: each delta is replaced by the mean of the N - f deltas nearest to it (itself included),
 and the rule runs on those means. Honest devices with different data (non-IID shards) then look alike to the
 rule, so median and Krum stop paying for their disagreement; an attacker's delta is mixed with honest ones
-and honest means keep at most f attackers' share each. It costs one more pass over the deltas (the Gram
-matrix, O(N^2)); Krum needs that pass anyway and mixes its distances without reading the deltas again.
+and honest means keep at most f attackers' share each. Mixing needs an honest majority, N > 2f: its f is
+``byzantine`` clamped to floor((N - 1) / 2) (default that bound), not Krum's tighter bound, so a small round
+with one attacker is still mixed. Past f attackers it shields nothing and can do worse than the bare rule
+(bench/README.md). It costs a second pass over the deltas for their Gram matrix and O(N^2) float64 beside
+the O(N x chunk) working memory; Krum needs the Gram matrix anyway and mixes it without reading the deltas
+again.
 
 Krum's guarantee needs N >= 2f + 3. Rather than refuse small rounds, f (``byzantine``, default
 floor((N - 3) / 2)) is clamped to max(0, floor((N - 3) / 2)), and the neighbour count N - f - 2 to at least 1:
@@ -126,16 +130,21 @@ def byzantine_count(given: int | None, n: int) -> int:
     return bound if given is None else min(given, bound)
 
 
+def mixing_count(given: int | None, n: int) -> int:
+    """Mixing's f for N deltas: the given one (default the largest allowed), clamped to floor((N - 1) / 2) so
+    that each delta's N - f nearest are a majority."""
+    bound = max(0, (n - 1) // 2)
+    return bound if given is None else min(given, bound)
+
+
 def mixing_matrix(distances: torch.Tensor, f: int) -> torch.Tensor:
     """Nearest-neighbour mixing: row i holds 1 / (N - f) for the N - f deltas nearest delta i (itself first,
     then by distance, ties to the earlier input) and 0 elsewhere. float64 [N, N]."""
     n = distances.shape[0]
     keep = max(1, n - f)
-    mixing = torch.zeros(n, n, dtype=torch.float64)
-    for i in range(n):
-        nearest = sorted(range(n), key=lambda j: (j != i, float(distances[i, j]), j))[:keep]
-        mixing[i, nearest] = 1.0 / keep
-    return mixing
+    ranked = distances.to(torch.float64).clone().fill_diagonal_(-1.0)  # distances are >= 0: itself first
+    nearest = torch.argsort(ranked, dim=1, stable=True)[:, :keep]
+    return torch.zeros(n, n, dtype=torch.float64).scatter_(1, nearest, 1.0 / keep)
 
 
 class RobustStrategy(Strategy):
@@ -164,7 +173,7 @@ class RobustStrategy(Strategy):
         """The nearest-neighbour mixing matrix if ``mixing`` is ``"nnm"`` (f from ``byzantine``), else None."""
         if params["mixing"] != "nnm":
             return None
-        return mixing_matrix(squared_distances(gram), byzantine_count(params["byzantine"], gram.shape[0]))
+        return mixing_matrix(squared_distances(gram), mixing_count(params["byzantine"], gram.shape[0]))
 
 
 class CoordinateStrategy(RobustStrategy):
@@ -247,14 +256,13 @@ class Krum(RobustStrategy):
         chosen = order[: self.select(params, n, f)]
         weights = [float(inputs[i].num_samples) if len(chosen) > 1 else 1.0 for i in chosen]
         total = math.fsum(weights)
-        if mixing is None:
-            share = {i: w / total for i, w in zip(chosen, weights, strict=True)}
-        else:  # each chosen mixed delta is a mean of originals: their shares add up
-            mixed = sum(w * mixing[i] for i, w in zip(chosen, weights, strict=True)) / total
-            share = {j: float(mixed[j]) for j in range(n) if float(mixed[j]) > 0}
-        picked = sorted(share)
-        sums = weighted_sum([inputs[j] for j in picked], [share[j] * factors[j] for j in picked], shapes, shapes)
-        return {key: sums[key].to(torch.float32) for key in shapes}
+        if mixing is not None:  # each chosen mixed delta is a mean of originals: their weights add up
+            mixed = sum(w * mixing[i] for i, w in zip(chosen, weights, strict=True))
+            chosen = [j for j in range(n) if float(mixed[j]) > 0]
+            weights = [float(mixed[j]) for j in chosen]
+        picked = [inputs[i] for i in chosen]
+        sums = weighted_sum(picked, [w * factors[i] for w, i in zip(weights, chosen, strict=True)], shapes, shapes)
+        return {key: (sums[key] / total).to(torch.float32) for key in shapes}
 
 
 class MultiKrum(Krum):
