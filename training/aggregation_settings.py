@@ -39,6 +39,13 @@ ROBUST = ("trimmed_mean", "median", "krum", "multi_krum")  # the strategies mixi
 STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "mixing", "shard_size")
 
 
+AGGREGATION_HELP = (
+    'Only the settings that differ from the defaults (README, "Deltas, verification and rounds"): '
+    + ", ".join(AGGREGATION_DEFAULTS)
+    + f'. mixing is null or "nnm", for {", ".join(ROBUST)} only.'
+)
+
+
 def aggregation_settings(adapter) -> dict[str, Any]:
     return {**AGGREGATION_DEFAULTS, **(adapter.aggregation or {})}
 

@@ -1,7 +1,7 @@
 from rest_framework import serializers
 
 from fleet.api.serializers import JsonObjectField, StrictTypesMixin
-from training.aggregation_settings import validate_aggregation, validate_dp
+from training.aggregation_settings import AGGREGATION_HELP, validate_aggregation, validate_dp
 from training.api.serializers import settings_checked
 from training.models import Adapter, Delta, Round
 
@@ -83,7 +83,7 @@ class RoundOpenSerializer(StrictTypesMixin, serializers.Serializer):
 
 
 class AggregationConfigSerializer(StrictTypesMixin, serializers.Serializer):
-    aggregation = JsonObjectField(required=False, help_text="strategy and its parameters (only what changes)")
+    aggregation = JsonObjectField(required=False, help_text=AGGREGATION_HELP)
     dp = JsonObjectField(required=False, help_text="server-side DP settings and epsilon budget")
 
     def validate_aggregation(self, value):

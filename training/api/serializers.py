@@ -3,7 +3,7 @@ from rest_framework import serializers
 
 from devices.models import Cohort
 from fleet.api.serializers import JsonObjectField, StrictTypesMixin
-from training.aggregation_settings import validate_aggregation
+from training.aggregation_settings import AGGREGATION_HELP, validate_aggregation
 from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
 
 
@@ -60,7 +60,7 @@ class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
     cohorts = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all(), many=True, required=False)
     target_modules = ModuleNamesField(required=False, help_text="Omit for the family's default targets.")
     modules_to_save = ModuleNamesField(required=False, help_text="Omit for the family's default.")
-    aggregation = JsonObjectField(required=False, help_text="strategy name and parameters")
+    aggregation = JsonObjectField(required=False, help_text=AGGREGATION_HELP)
     latest_version = serializers.SerializerMethodField()
 
     class Meta:
