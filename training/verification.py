@@ -235,36 +235,40 @@ def _finish(delta: Delta, verdict: Verdict) -> Delta | None:
         return _record(delta, Delta.State.REJECTED, "replayed_counter", detail, False, fields)
 
 
-def _apply(delta: Delta, state: str, code: str, detail: str, claim_counter: bool, fields: dict) -> None:
-    for name, value in fields.items():
+def _outcome(state: str, code: str, detail: str, claim_counter: bool, fields: dict) -> dict:
+    """Every column an outcome writes, by field name."""
+    return {
+        **fields,
+        "state": state,
+        "rejection_code": code,
+        "rejection_detail": detail[:500],
+        "counter_claimed": claim_counter,
+    }
+
+
+def _apply(delta: Delta, values: dict) -> None:
+    for name, value in values.items():
         setattr(delta, name, value)
-    delta.state, delta.rejection_code, delta.rejection_detail = state, code, detail[:500]
-    delta.counter_claimed = claim_counter
 
 
 def _record(delta: Delta, state: str, code: str, detail: str, claim_counter: bool, fields: dict) -> Delta | None:
     """Write the outcome (claiming the counter if asked) and, if accepted, admit the delta to its round: one
     transaction. A used counter rolls it back whole (no savepoint per verification) as ``_CounterUsed``."""
+    values = _outcome(state, code, detail, claim_counter, fields)
     with transaction.atomic():
         try:
-            changed = _set_outcome(delta, state, code, detail, counter_claimed=claim_counter, **fields)
+            changed = Delta.objects.filter(pk=delta.pk, state=Delta.State.RECEIVED).update(**values)
         except IntegrityError:
             if not claim_counter:
                 raise
             raise _CounterUsed from None
         if not changed:
             return None
-        _apply(delta, state, code, detail, claim_counter, fields)
+        _apply(delta, values)
         if state == Delta.State.ACCEPTED:
             delta.round = round_admit(delta=delta)
         announce_delta(delta)
     return delta
-
-
-def _set_outcome(delta: Delta, state: str, code: str, detail: str, **fields) -> int:
-    return Delta.objects.filter(pk=delta.pk, state=Delta.State.RECEIVED).update(
-        state=state, rejection_code=code, rejection_detail=detail[:500], **fields
-    )
 
 
 # --- a batch (training.verify_queue): the same outcomes, written together ---
@@ -300,7 +304,8 @@ def delta_record_batch(judged: list[tuple[Delta, Verdict]]) -> list[Delta]:
             rows = {}
             for delta, verdict in judged:  # a rejection keeps the (empty) encoding and norm the delta has
                 fields = {"encoding": delta.encoding, "norm": delta.norm, **_fields(delta, verdict, now)}
-                rows[delta.pk] = (delta, verdict.state, verdict.code, verdict.detail, verdict.claim_counter, fields)
+                values = _outcome(verdict.state, verdict.code, verdict.detail, verdict.claim_counter, fields)
+                rows[delta.pk] = (delta, values)
             changed = _set_outcomes(list(rows.values()))
             recorded = [rows[pk][0] for pk in rows if pk in changed]
             for pk in changed:
@@ -355,14 +360,12 @@ def _outcome_sql(size: int) -> tuple[list, str]:
     return fields, sql
 
 
-def _set_outcomes(rows: list[tuple]) -> set[int]:
-    """One ``UPDATE ... FROM (VALUES ...)`` writing each row's outcome if its delta is still received; the ids
-    it changed."""
+def _set_outcomes(rows: list[tuple[Delta, dict]]) -> set[int]:
+    """One ``UPDATE ... FROM (VALUES ...)`` writing each row's outcome (``_outcome``) if its delta is still
+    received; the ids it changed."""
     fields, sql = _outcome_sql(len(rows))
     params: list = []
-    for delta, state, code, detail, claim_counter, values in rows:
-        values = {**values, "state": state, "rejection_code": code, "rejection_detail": detail[:500]}
-        values["counter_claimed"] = claim_counter
+    for delta, values in rows:
         params.append(delta.pk)
         for field in fields:
             value = values[field.name]

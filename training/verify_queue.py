@@ -74,18 +74,22 @@ def _received(shard: int, failed: set[int]) -> list:
     )
 
 
-@contextmanager
-def _own_trouble(delta_id: int, failed: set[int]):
-    """PostgreSQL or Redis away (or Celery's soft time limit) fails the task, and Celery retries it; anything
-    else raised here is this delta's own trouble: it is logged and the delta left `received` for beat's
-    rescue, and the batch goes on."""
+def _task_failures() -> tuple:
+    """What fails the whole task, for Celery to retry: PostgreSQL or Redis away, or its soft time limit."""
     from celery.exceptions import SoftTimeLimitExceeded
 
     from training.tasks import TRANSIENT_ERRORS
 
+    return (*TRANSIENT_ERRORS, SoftTimeLimitExceeded)
+
+
+@contextmanager
+def _own_trouble(delta_id: int, failed: set[int]):
+    """Anything raised here but ``_task_failures`` is this delta's own trouble: it is logged and the delta
+    left `received` for beat's rescue, and the batch goes on."""
     try:
         yield
-    except (*TRANSIENT_ERRORS, SoftTimeLimitExceeded):
+    except _task_failures():
         raise
     except Exception:
         logger.exception("verifying delta %s failed; left for beat's rescue", delta_id)
@@ -96,9 +100,6 @@ def _verify_batch(batch: list, failed: set[int]) -> None:
     """Judge each delta (``delta_judge``, no writes), then write the verdicts together
     (``delta_record_batch``). If writing them breaks for another reason than PostgreSQL or Redis being away,
     each is verified on its own (``delta_verify``), so one delta's trouble stays its own."""
-    from celery.exceptions import SoftTimeLimitExceeded
-
-    from training.tasks import TRANSIENT_ERRORS
     from training.verification import delta_judge, delta_record_batch, delta_verify
 
     memo: dict = {}
@@ -109,7 +110,7 @@ def _verify_batch(batch: list, failed: set[int]) -> None:
     try:
         delta_record_batch(judged)
         return
-    except (*TRANSIENT_ERRORS, SoftTimeLimitExceeded):
+    except _task_failures():
         raise
     except Exception:
         logger.exception("recording %d verifications together failed; recording them one by one", len(judged))

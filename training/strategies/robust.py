@@ -124,16 +124,10 @@ def squared_distances(gram: torch.Tensor) -> torch.Tensor:
     return distances.fill_diagonal_(0)
 
 
-def byzantine_count(given: int | None, n: int) -> int:
-    """f for N deltas: the given one (default the largest allowed), clamped to max(0, floor((N - 3) / 2))."""
-    bound = max(0, (n - 3) // 2)
-    return bound if given is None else min(given, bound)
-
-
-def mixing_count(given: int | None, n: int) -> int:
-    """Mixing's f for N deltas: the given one (default the largest allowed), clamped to floor((N - 1) / 2) so
-    that each delta's N - f nearest are a majority."""
-    bound = max(0, (n - 1) // 2)
+def byzantine_count(given: int | None, n: int, spare: int = 3) -> int:
+    """f for N deltas: the given one (default the largest allowed), clamped to max(0, floor((N - spare) / 2)):
+    Krum's N >= 2f + 3, or with ``spare`` 1 mixing's N > 2f (each delta's N - f nearest a majority)."""
+    bound = max(0, (n - spare) // 2)
     return bound if given is None else min(given, bound)
 
 
@@ -169,11 +163,9 @@ class RobustStrategy(Strategy):
                 gram.addmm_(block, block.T)
         return gram
 
-    def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor | None:
-        """The nearest-neighbour mixing matrix if ``mixing`` is ``"nnm"`` (f from ``byzantine``), else None."""
-        if params["mixing"] != "nnm":
-            return None
-        return mixing_matrix(squared_distances(gram), mixing_count(params["byzantine"], gram.shape[0]))
+    def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor:
+        """The nearest-neighbour mixing matrix for ``mixing: "nnm"`` (f from ``byzantine``)."""
+        return mixing_matrix(squared_distances(gram), byzantine_count(params["byzantine"], gram.shape[0], spare=1))
 
 
 class CoordinateStrategy(RobustStrategy):
@@ -183,7 +175,7 @@ class CoordinateStrategy(RobustStrategy):
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         params, shapes, inputs, factors = self.prepare(inputs, spec, params)
         mixing = None
-        if params["mixing"] is not None:
+        if params["mixing"] == "nnm":
             mixing = self.mixing(self.gram(inputs, shapes, factors, params["chunk_elements"]), params)
         result = {key: torch.zeros(shape, dtype=torch.float32) for key, shape in shapes.items()}
         for segments, stacked in self.chunks(inputs, shapes, factors, params["chunk_elements"]):
@@ -247,7 +239,7 @@ class Krum(RobustStrategy):
         params, shapes, inputs, factors = self.prepare(inputs, spec, params)
         n = len(inputs)
         gram = self.gram(inputs, shapes, factors, params["chunk_elements"])
-        mixing = self.mixing(gram, params)
+        mixing = self.mixing(gram, params) if params["mixing"] == "nnm" else None
         if mixing is not None:
             gram = mixing @ gram @ mixing.T
         f = byzantine_count(params["byzantine"], n)
