@@ -388,6 +388,10 @@ DELTA_VERIFY_RESCUE_SECONDS = env_int("DELTA_VERIFY_RESCUE_SECONDS", 300, minimu
 # Received deltas are verified by one drain task per shard at a time (training/verify_queue.py): shards are
 # how many workers verify at once; more than the worker processes is harmless.
 DELTA_VERIFY_SHARDS = env_int("DELTA_VERIFY_SHARDS", 4, minimum=1, maximum=64)
+# A delta whose verification was begun this many times without an outcome (its worker killed or crashing on
+# it, a check raising on it) is rejected `verification_failed` at the next try, so it cannot hold its shard or
+# come back from the rescue for ever. A worker killed by a fault costs an innocent delta one or two tries.
+DELTA_VERIFY_MAX_ATTEMPTS = env_int("DELTA_VERIFY_MAX_ATTEMPTS", 5, minimum=1, maximum=100)
 CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
     "task": "training.tasks.requeue_unverified_deltas",
     "schedule": float(min(DELTA_VERIFY_RESCUE_SECONDS, 60)),

@@ -298,6 +298,12 @@ class Delta(models.Model):
     encoding = models.CharField(max_length=8, blank=True)
     received_at = models.DateTimeField(default=timezone.now, db_index=True)
     verified_at = models.DateTimeField(null=True, blank=True)
+    # Verification runs begun on it, each counted (and committed) before its checks: one that never finishes (a
+    # worker killed or crashing on it, a check raising) leaves the count up, and past
+    # DELTA_VERIFY_MAX_ATTEMPTS the delta is rejected `verification_failed` instead of tried again for ever.
+    verify_attempts = models.PositiveSmallIntegerField(
+        default=0, help_text="verification runs begun on this delta; more than one means a run did not finish"
+    )
 
     class Meta:
         ordering = ["-received_at", "-id"]

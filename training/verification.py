@@ -176,7 +176,41 @@ def delta_verify(*, delta_id: int) -> Delta | None:
     delta that fails a later check still uses up its counter, and a replay is caught by the database's
     ``UNIQUE(device, counter)`` however close together the two arrive."""
     delta = only_row(Delta.objects.select_related("device__cohort").filter(pk=delta_id, state=Delta.State.RECEIVED))
-    return None if delta is None else _finish(delta, delta_judge(delta))
+    if delta is None or (attempts := delta_attempt([delta.pk]).get(delta.pk)) is None:
+        return None
+    return _finish(delta, given_up(delta, attempts) or delta_judge(delta))
+
+
+def delta_attempt(ids: list[int]) -> dict[int, int]:
+    """Count a verification run begun on each of these deltas still ``received``: their tries so far, this one
+    included, by id (one left out was verified meanwhile). Run outside a transaction, so the count is committed
+    before the checks: a worker that dies in them still leaves it up (``given_up``)."""
+    if not ids:
+        return {}
+    meta = Delta._meta
+    quote = connection.ops.quote_name
+    attempts = quote(meta.get_field("verify_attempts").column)
+    sql = (  # identifiers from the model's own metadata; every value a parameter
+        f"UPDATE {quote(meta.db_table)} SET {attempts} = {attempts} + 1"  # noqa: S608
+        f" WHERE {quote(meta.pk.column)} = ANY(%s) AND {quote(meta.get_field('state').column)} = %s"
+        f" RETURNING {quote(meta.pk.column)}, {attempts}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [list(ids), Delta.State.RECEIVED])
+        return dict(cursor.fetchall())
+
+
+def given_up(delta: Delta, attempts: int) -> Verdict | None:
+    """The verdict for a delta past DELTA_VERIFY_MAX_ATTEMPTS tries (each begun and never finished), else
+    None. It does not claim the counter: nothing says its signature held."""
+    limit = settings.DELTA_VERIFY_MAX_ATTEMPTS
+    if attempts <= limit:
+        return None
+    detail = (
+        f"verification was begun {limit} times and never finished (the worker died or failed on this delta "
+        f"each time; its log names delta {delta.pk}); it is not tried again"
+    )
+    return Verdict(Delta.State.REJECTED, "verification_failed", detail)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,17 @@ either seen by its last look or raised the flag after it, and then either this d
 that upload queued finds the lock free. A drain task that is lost (a worker killed) leaves its deltas
 ``received``: beat's ``requeue_unverified_deltas`` verifies them one by one after
 DELTA_VERIFY_RESCUE_SECONDS, as before.
+
+Nothing is tried for ever either: each run begun on a delta is counted first (``delta_attempt``), a delta
+tried before without an outcome is verified on its own after its batch, and past DELTA_VERIFY_MAX_ATTEMPTS
+it is rejected (``given_up``), so a delta that kills its worker every time neither holds its shard nor takes
+its batch's verdicts with it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from contextlib import contextmanager
 
@@ -43,6 +49,24 @@ def _flag(shard: int) -> str:
 
 def _lock(shard: int) -> str:
     return f"verify:drain:{shard}"
+
+
+# A drainer renews or lets go of the shard's lock only while the lock holds its own token: one that outlived
+# its lock (paused or starved past LOCK_SECONDS) must neither keep nor free the lock a successor took since.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+def _lock_take(shard: int) -> int | None:
+    """Take the shard's drain lock: its token, or None if another drainer holds it."""
+    token = secrets.randbits(62) + 1  # the cache stores an int as its digits, which the scripts compare
+    return token if cache.add(_lock(shard), token, timeout=LOCK_SECONDS) else None
+
+
+def _lock_if_held(script: str, shard: int, token: int, *args) -> bool:
+    """Run ``_RENEW`` or ``_RELEASE`` on the shard's lock, atomically in Redis; whether it still held ``token``."""
+    key = cache.make_and_validate_key(_lock(shard))
+    return bool(cache._cache.get_client(key, write=True).eval(script, 1, key, token, *args))
 
 
 def queue_verification(delta_id: int) -> None:
@@ -97,16 +121,33 @@ def _own_trouble(delta_id: int, failed: set[int]):
 
 
 def _verify_batch(batch: list, failed: set[int]) -> None:
-    """Judge each delta (``delta_judge``, no writes), then write the verdicts together
-    (``delta_record_batch``). If writing them breaks for another reason than PostgreSQL or Redis being away,
-    each is verified on its own (``delta_verify``), so one delta's trouble stays its own."""
-    from training.verification import delta_judge, delta_record_batch, delta_verify
+    """Count a try for each delta (``delta_attempt``), judge each (``delta_judge``, no writes), then write the
+    verdicts together (``delta_record_batch``). If writing them breaks for another reason than PostgreSQL or
+    Redis being away, each is verified on its own (``delta_verify``), so one delta's trouble stays its own.
 
+    A delta tried before without an outcome (its worker died, or its checks raised) is verified on its own
+    after the rest, fewest tries first: one that kills its worker every time takes no other delta's verdict
+    with it, and is rejected once past DELTA_VERIFY_MAX_ATTEMPTS (``given_up``)."""
+    from training.verification import delta_attempt, delta_judge, delta_verify
+
+    retried = sorted((d for d in batch if d.verify_attempts), key=lambda d: (d.verify_attempts, d.pk))
+    fresh = [d for d in batch if not d.verify_attempts]
+    attempts = delta_attempt([delta.pk for delta in fresh])
     memo: dict = {}
     judged = []
-    for delta in batch:
+    for delta in fresh:
+        if delta.pk in attempts:  # else verified meanwhile by another run
+            with _own_trouble(delta.pk, failed):
+                judged.append((delta, delta_judge(delta, memo)))
+    _record_judged(judged, failed)
+    for delta in retried:
         with _own_trouble(delta.pk, failed):
-            judged.append((delta, delta_judge(delta, memo)))
+            delta_verify(delta_id=delta.pk)
+
+
+def _record_judged(judged: list, failed: set[int]) -> None:
+    from training.verification import delta_record_batch, delta_verify
+
     try:
         delta_record_batch(judged)
         return
@@ -127,8 +168,8 @@ def shard_drain(shard: int) -> int:
     again after that is queued, at most one per shard at a time."""
     from training.tasks import verify_shard
 
-    done, deadline, more, failed = 0, time.monotonic() + DRAIN_SECONDS, False, set()
-    if not cache.add(_lock(shard), 1, timeout=LOCK_SECONDS):
+    done, deadline, more, lost, failed = 0, time.monotonic() + DRAIN_SECONDS, False, False, set()
+    if (token := _lock_take(shard)) is None:
         if cache.add(f"verify:recheck:{shard}", 1, timeout=LOCK_SECONDS):
             verify_shard.apply_async((shard,), countdown=LOCK_SECONDS + 1)
         return 0
@@ -138,18 +179,24 @@ def shard_drain(shard: int) -> int:
                 cache.delete(_flag(shard))
                 batch = _received(shard, failed)
                 _verify_batch(batch, failed)
-                cache.touch(_lock(shard), LOCK_SECONDS)
                 done += len(batch)
+                if lost := not _lock_if_held(_RENEW, shard, token, LOCK_SECONDS):
+                    break  # it outlived its lock: the shard may be another drainer's now
                 if len(batch) < BATCH:  # all there was; a delta committed since raised the flag
                     break
         finally:
-            cache.delete(_lock(shard))
+            _lock_if_held(_RELEASE, shard, token)
+        if lost:
+            logger.warning("shard %d's drain lock ran out during a batch; leaving the shard to its next drainer", shard)
+            if cache.add(f"verify:recheck:{shard}", 1, timeout=LOCK_SECONDS):  # in case nobody took it
+                verify_shard.apply_async((shard,), countdown=1)
+            break
         if more:  # out of time with work left: a fresh task goes on, behind whatever else is queued
             verify_shard.delay(shard)
             break
         if cache.get(_flag(shard)) is None:
             break  # nobody woke the shard since its last look
-        if not cache.add(_lock(shard), 1, timeout=LOCK_SECONDS):
+        if (token := _lock_take(shard)) is None:
             break  # another drainer took the shard meanwhile; it looks at the flag before it stops
     if done:
         logger.info("verified %d deltas of shard %d", done, shard)

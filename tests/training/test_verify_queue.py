@@ -115,22 +115,30 @@ def test_a_delta_arriving_while_the_drainer_finishes_is_verified_by_it(wakes, fl
     assert verify_queue.shard_drain(0) == 0
 
 
-def test_a_delta_whose_verification_breaks_is_left_for_the_rescue_and_the_batch_goes_on(
-    wakes, fleet, monkeypatch, settings, caplog
-):
+@pytest.fixture
+def broken_checks(monkeypatch) -> set[int]:
+    """The ids of deltas whose checks raise (a bug in a check, say): a set the test fills, and may clear."""
     import training.verification
 
-    settings.DELTA_VERIFY_SHARDS = 1
-    deltas = _upload(fleet, 5)
-    broken = deltas[2].pk
+    broken: set[int] = set()
     real_judge = training.verification.delta_judge
 
     def judge_unless_broken(delta, memo=None):
-        if delta.pk == broken:
+        if delta.pk in broken:
             raise RuntimeError("a bug in a check")
         return real_judge(delta, memo)
 
     monkeypatch.setattr(training.verification, "delta_judge", judge_unless_broken)
+    return broken
+
+
+def test_a_delta_whose_verification_breaks_is_left_for_the_rescue_and_the_batch_goes_on(
+    wakes, fleet, broken_checks, settings, caplog
+):
+    settings.DELTA_VERIFY_SHARDS = 1
+    deltas = _upload(fleet, 5)
+    broken = deltas[2].pk
+    broken_checks.add(broken)
 
     assert verify_queue.shard_drain(0) == 5  # looked at five, one of them failed; the drain did not loop on it
     states = dict(Delta.objects.filter(pk__in=[d.pk for d in deltas]).values_list("pk", "state"))
@@ -140,7 +148,7 @@ def test_a_delta_whose_verification_breaks_is_left_for_the_rescue_and_the_batch_
     assert cache.get(verify_queue._lock(0)) is None
 
     # Beat's rescue (``verify_delta``, one by one) verifies it once the trouble is gone.
-    monkeypatch.setattr(training.verification, "delta_judge", real_judge)
+    broken_checks.clear()
     from training.verification import delta_verify
 
     assert delta_verify(delta_id=broken).state == Delta.State.ACCEPTED
@@ -159,6 +167,37 @@ def test_a_shard_held_by_a_drainer_that_died_is_looked_at_again_once_its_lock_ru
     cache.delete(verify_queue._lock(0))  # the lock ran out
     assert verify_queue.shard_drain(0) == 3
     assert set(Delta.objects.filter(pk__in=[d.pk for d in deltas]).values_list("state", flat=True)) == {"accepted"}
+
+
+def test_a_drainer_that_outlived_its_lock_neither_renews_nor_frees_its_successor_s_and_stops(
+    wakes, fleet, monkeypatch, settings, caplog
+):
+    settings.DELTA_VERIFY_SHARDS = 1
+    deltas = _upload(fleet, verify_queue.BATCH + 4)
+    real_batch, successor = verify_queue._verify_batch, []
+
+    def slow_batch(batch, failed):
+        real_batch(batch, failed)
+        if not successor:  # the batch outlasted LOCK_SECONDS: the lock ran out and another drainer took it
+            cache.delete(verify_queue._lock(0))
+            successor.append(12345)
+            assert cache.add(verify_queue._lock(0), 12345, timeout=5)  # (5 s: a renewal would show)
+
+    monkeypatch.setattr(verify_queue, "_verify_batch", slow_batch)
+
+    assert verify_queue.shard_drain(0) == verify_queue.BATCH  # it stopped after that batch
+    key = cache.make_and_validate_key(verify_queue._lock(0))
+    assert cache.get(verify_queue._lock(0)) == 12345  # the successor's lock, kept ...
+    assert 0 < cache._cache.get_client(key).ttl(key) <= 5  # ... and not renewed by the drainer that lost it
+    assert "drain lock ran out" in caplog.text
+    assert wakes["later"] == [((0,), 1)]  # a look again soon, in case the successor is gone
+    assert Delta.objects.filter(pk__in=[d.pk for d in deltas], state="received").count() == 4
+
+    cache.delete(verify_queue._lock(0))  # the successor finished; the look again drains the rest
+    cache.delete("verify:recheck:0")
+    assert verify_queue.shard_drain(0) == 4
+    assert set(Delta.objects.filter(pk__in=[d.pk for d in deltas]).values_list("state", flat=True)) == {"accepted"}
+    assert cache.get(verify_queue._lock(0)) is None  # its own lock freed
 
 
 def test_an_upload_is_kept_when_redis_is_away_to_queue_its_verification(wakes, fleet, monkeypatch, settings, caplog):
@@ -337,3 +376,107 @@ def test_a_batch_leaves_out_a_delta_verified_meanwhile_and_counts_it_once(wakes,
 
     assert [d.pk for d in recorded] == [d.pk for d in deltas[1:]]
     assert sum(_rounds_of(deltas).values()) == 3 and list(_rounds_of(deltas)) == [first.round_id]
+
+
+# --- a delta whose verification never finishes: tries counted, a cap, and no other delta held back ---
+
+CRASHING_DRAIN = """
+import os
+
+import django
+
+django.setup()
+
+import training.verification
+from training import verify_queue
+from training.tasks import aggregate_round, verify_shard
+
+verify_shard.delay = verify_shard.apply_async = aggregate_round.delay = lambda *args, **kwargs: None
+poison, judge = int(os.environ["POISON"]), training.verification.delta_judge
+
+
+def dies_on_poison(delta, memo=None):
+    if delta.pk == poison:
+        os._exit(70)  # the process dies in the checks, as a worker crashing or killed for its memory would
+    return judge(delta, memo)
+
+
+training.verification.delta_judge = dies_on_poison
+print(verify_queue.shard_drain(0))
+"""
+
+
+def test_a_delta_that_kills_its_worker_every_time_is_rejected_after_the_cap_and_every_other_delta_counted_once(
+    wakes, fleet, shared_blob_root
+):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, _test_database_url
+    from training.selectors import deltas_awaiting_rescue
+
+    deltas = _upload(fleet, 5)
+    poison = deltas[2].pk
+    env = {
+        **os.environ,
+        "DATABASE_URL": _test_database_url(),
+        "BLOB_ROOT": str(shared_blob_root),
+        "DELTA_VERIFY_SHARDS": "1",
+        "DELTA_VERIFY_MAX_ATTEMPTS": "2",
+        "POISON": str(poison),
+    }
+
+    def drain_in_a_process() -> subprocess.CompletedProcess:
+        cache.delete(verify_queue._lock(0))  # a dead drainer's lock runs out
+        return subprocess.run(
+            [sys.executable, "-c", CRASHING_DRAIN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+
+    def rows() -> dict[int, Delta]:
+        return Delta.objects.in_bulk([d.pk for d in deltas])
+
+    # 1: the whole batch is begun together and the process dies on the poison: nothing recorded, tries counted.
+    assert drain_in_a_process().returncode == 70
+    assert cache.get(verify_queue._lock(0)) is not None  # it died holding its shard
+    assert {(d.state, d.verify_attempts) for d in rows().values()} == {("received", 1)}
+    # 2: each delta tried before goes on its own, fewest tries first: the two before the poison get through.
+    assert drain_in_a_process().returncode == 70
+    got = rows()
+    assert [got[d.pk].state for d in deltas] == ["accepted", "accepted", "received", "received", "received"]
+    assert got[poison].verify_attempts == 2
+    # 3: the two after it (one try each) go first; the poison is past the cap and rejected without its checks.
+    done = drain_in_a_process()
+    assert (done.returncode, done.stdout.strip()) == (0, "3"), done.stderr
+    got = rows()
+    assert [got[d.pk].state for d in deltas] == ["accepted", "accepted", "rejected", "accepted", "accepted"]
+    assert got[poison].rejection_code == "verification_failed" and not got[poison].counter_claimed
+    assert "begun 2 times and never finished" in got[poison].rejection_detail
+    assert got[poison].verify_attempts == 3 and got[poison].round_id is None
+    honest = [d for d in deltas if d.pk != poison]
+    assert len(_rounds_of(honest)) == 1 and sum(_rounds_of(honest).values()) == 4  # each counted once
+    assert poison not in deltas_awaiting_rescue()  # the rescue stops coming back to it
+    assert verify_queue.shard_drain(0) == 0
+
+
+def test_a_delta_whose_checks_raise_every_time_is_rejected_after_the_cap_not_rescued_for_ever(
+    wakes, fleet, broken_checks, settings
+):
+    from training.verification import delta_verify
+
+    settings.DELTA_VERIFY_SHARDS = 1
+    settings.DELTA_VERIFY_MAX_ATTEMPTS = 3
+    deltas = _upload(fleet, 3)
+    broken = deltas[1].pk
+    broken_checks.add(broken)
+
+    assert verify_queue.shard_drain(0) == 3  # try 1, in the batch; the others accepted
+    assert verify_queue.shard_drain(0) == 1  # try 2, on its own
+    with pytest.raises(RuntimeError):  # try 3: the rescue's (one by one)
+        delta_verify(delta_id=broken)
+    assert delta_verify(delta_id=broken).rejection_code == "verification_failed"  # try 4, past the cap: no checks
+    assert delta_verify(delta_id=broken) is None
+    row = Delta.objects.get(pk=broken)
+    assert (row.state, row.rejection_code, row.verify_attempts) == ("rejected", "verification_failed", 4)
+    accepted = Delta.objects.filter(pk__in=[d.pk for d in deltas], state="accepted")
+    assert set(accepted.values_list("verify_attempts", flat=True)) == {1}  # one run each: the batch's

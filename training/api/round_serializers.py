@@ -33,6 +33,7 @@ class DeltaSerializer(serializers.ModelSerializer):
             "metrics",
             "received_at",
             "verified_at",
+            "verify_attempts",
         ]
         read_only_fields = fields
 
