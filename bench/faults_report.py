@@ -66,7 +66,9 @@ def render_details(results: list[dict]) -> str:
         lines.append(
             f"  - interrupted uploads: {_errors({k: v for k, v in r['interrupted'].items() if k != 'total'})}; "
             f"server-accepted deltas the agents were not told of: {ledger['server_accepted_agent_not_told']}; "
-            f"rounds now {ledger['snapshot']['rounds']}, versions {ledger['snapshot']['versions']}"
+            f"rounds now {ledger['snapshot']['rounds']}, versions {ledger['snapshot']['versions']}; "
+            f"deltas verified more than once so far {ledger['verification_retried']} (most runs "
+            f"{ledger['verification_most_tries']}), given up {ledger['verification_given_up']}"
             + (f"; lost: {ledger['lost_examples']}" if ledger["lost"] else "")
             + (f"; failed rounds: {failed[:2]}" if failed else "")
         )

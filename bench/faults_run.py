@@ -278,6 +278,8 @@ class FaultRun:
             problems.append("stuck rounds")
         if ledger["left_received"]:
             problems.append("left received")
+        if ledger["verification_given_up"]:
+            problems.append("verification given up")
         if ledger["left_accepted_not_aggregated"]:
             problems.append("accepted, not aggregated")
         if r["held_end"] < agents:

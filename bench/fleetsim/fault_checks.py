@@ -10,7 +10,9 @@ Read straight from PostgreSQL (the run's own embedded server), one snapshot per 
 - **duplicates**: an upload stored twice (two rows for one sha256), one device counter accepted twice, a round
   that summed more deltas than it holds, or a round with more than one version;
 - **lost**: told accepted, but no row, or a row that is not aggregated in a completed round after the drain;
-- **stuck rounds**: a round still ``aggregating``, or ``collecting`` with its buffer full, after the drain.
+- **stuck rounds**: a round still ``aggregating``, or ``collecting`` with its buffer full, after the drain;
+- **verification given up**: a delta rejected ``verification_failed`` (every device here is honest); with how
+  many deltas needed more than one verification run, and the most runs one took (cumulative over the run).
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ WHERE a.name = %s
 """
 
 STATES_SQL = "SELECT state, count(*) FROM training_delta WHERE adapter_name = %s GROUP BY state"
+
+# Deltas whose verification was given up (begun DELTA_VERIFY_MAX_ATTEMPTS times without an outcome): every
+# device here is honest, so a fault must never make the product give one up, and retries show what it cost.
+GIVEN_UP_SQL = """
+SELECT count(*) FILTER (WHERE rejection_code = 'verification_failed'),
+       count(*) FILTER (WHERE verify_attempts > 1), coalesce(max(verify_attempts), 0)
+FROM training_delta WHERE adapter_name = %s
+"""
 
 TOLD_SQL = """
 SELECT d.sha256, count(*), min(d.state), max(d.state), min(d.round_id), max(d.round_id)
@@ -90,6 +100,7 @@ def ledger(database_url: str, adapter: str, told: list[str], window: tuple[float
     with _connect(database_url) as conn:
         rows = {r[0]: r[1:] for r in conn.execute(TOLD_SQL, (told,)).fetchall()} if told else {}
         counter_twice = conn.execute(COUNTER_DUPLICATES_SQL, (adapter,)).fetchone()[0]
+        given_up, retried, most_tries = conn.execute(GIVEN_UP_SQL, (adapter,)).fetchone()
         server_accepted = {r[0] for r in conn.execute(ACCEPTED_SINCE_SQL, (adapter, *window)).fetchall()}
         rounds = {r[0]: r for r in conn.execute(ROUNDS_SQL, (adapter,)).fetchall()}
     counted, lost, stored_twice = [], [], []
@@ -125,6 +136,9 @@ def ledger(database_url: str, adapter: str, told: list[str], window: tuple[float
         "miscounted_round_ids": snap["miscounted_round_ids"],
         "stuck_round_ids": snap["stuck_round_ids"],
         "left_received": snap["deltas"].get("received", 0),
+        "verification_given_up": given_up,
+        "verification_retried": retried,
+        "verification_most_tries": most_tries,
         "left_accepted_not_aggregated": snap["deltas"].get("accepted", 0),
         "server_accepted_in_window": len(server_accepted),
         "server_accepted_agent_not_told": len(server_accepted - set(told)),
