@@ -34,14 +34,17 @@ import torch
 from poisoning_attacks import ATTACKS, Fleet, attacker_update
 
 from edge_agent.delta import encode_delta
-from training.aggregation_settings import AGGREGATION_DEFAULTS, ROBUST
+from training.aggregation_settings import AGGREGATION_DEFAULTS, MIXING_DEFAULTS, ROBUST
 from training.strategies import DeltaInput, get_strategy
 from training.strategies.base import delta_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BASES = ("fedavg", "trimmed_mean", "median", "krum", "multi_krum")
-DEFAULT_STRATEGIES = ("fedavg", "fedavg+clip", "trimmed_mean", "median", "krum", "multi_krum")
+DEFAULT_STRATEGIES = (
+    *("fedavg", "fedavg+clip", "trimmed_mean", "median", "krum", "multi_krum"),
+    *("median+nnm", "krum+nnm", "multi_krum+nnm", "trimmed_mean+nnm"),  # krum+nnm: the product's krum
+)
 NO_ATTACK = "none"
 
 
@@ -256,26 +259,38 @@ def verdicts(rows: list[dict], results: list[dict], seed: int) -> tuple[list[str
         out["target_20pct"] = {"clean": clean, "clean_mean": clean_mean, "best": best, "strategies": summary}
     else:
         lines.append("- Target 1 (20% attackers): not judged (no run at 20%).")
-    parts, all_ok = [], True
+    parts, judged, all_ok = [], [], True
     for strategy in robust:
         row = by.get((strategy, NO_ATTACK, 0.0))
         if row is None:
             continue
         diff = 100 * (row["accuracy"] - clean_mean)
         ok = diff >= -1
-        all_ok &= ok
+        if product_default(strategy):
+            judged.append(strategy)
+            all_ok &= ok
         parts.append(f"{strategy} {pct(row['accuracy'])}% ({diff:+.1f}, {'pass' if ok else 'fail'})")
         out.setdefault("target_no_attack", {})[strategy] = {
             "accuracy": row["accuracy"],
             "diff_points": diff,
             "pass": ok,
+            "product_default": product_default(strategy),
         }
     if parts:
         lines.append(
             f"- Target 2, no attack, every robust strategy within 1 point of fedavg {pct(clean_mean)}% (means of "
-            f"{baseline['seeds']} seeds): {'; '.join(parts)}: **{'PASS' if all_ok else 'FAIL'}**"
+            f"{baseline['seeds']} seeds): {'; '.join(parts)}. Judged on each strategy as the product runs it unless "
+            f"told otherwise ({', '.join(judged)}; the others are settings an operator may choose): "
+            f"**{'PASS' if all_ok else 'FAIL'}**"
         )
     return lines, out
+
+
+def product_default(label: str) -> bool:
+    """Whether a label is its strategy as an adapter runs it when only the strategy (and clipping) is set: mixed
+    where ``MIXING_DEFAULTS`` says so (krum), bare elsewhere. ``krum`` alone is bare Krum, ``"mixing": "none"``."""
+    name, suffixes = parse_label(label)
+    return ("+nnm" in suffixes) == (MIXING_DEFAULTS.get(name) == "nnm")
 
 
 def backdoor_ok(item: dict) -> bool:
@@ -290,7 +305,7 @@ def max_backdoor(rows: list[dict]) -> float | None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--devices", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=60)  # near convergence: fedavg 93% (90.8% at 30)
     parser.add_argument("--seed", type=int, default=0, help="training seed of the attack runs; picks the attackers")
     parser.add_argument("--baseline-seeds", type=int, default=3, help="no-attack runs per strategy (seed, seed+1, ...)")
     parser.add_argument("--fractions", default="0.1,0.2,0.3")

@@ -230,6 +230,38 @@ def test_an_adapter_is_created_only_with_aggregation_settings_a_round_can_run(ap
 
 
 @pytest.mark.django_db
+def test_krum_mixes_unless_told_not_to_and_a_round_carries_the_mixing_it_runs(adapter):
+    from training.aggregation_settings import validate_aggregation
+    from training.rounds import round_open
+    from training.services import adapter_set_aggregation, version_create_seeded
+
+    version_create_seeded(adapter=adapter, seed=1)
+    runs = {}
+    for aggregation in (
+        {"strategy": "krum"},  # the strategy's default: mixed
+        {"strategy": "krum", "mixing": "none"},  # bare Krum, asked for
+        {"strategy": "median"},  # off unless asked for
+        {"strategy": "median", "mixing": "nnm"},
+        {"strategy": "fedavg", "mixing": "none"},  # "none" is no mixing, which every strategy does
+    ):
+        adapter_set_aggregation(adapter=adapter, actor=None, aggregation={**aggregation, "auto_rounds": False})
+        adapter.refresh_from_db()
+        round_ = round_open(adapter=adapter)
+        runs[tuple(aggregation.values())] = (round_.strategy, round_.params.get("mixing"))
+        round_.delete()
+    assert runs == {
+        ("krum",): ("krum", "nnm"),
+        ("krum", "none"): ("krum", None),
+        ("median",): ("median", None),
+        ("median", "nnm"): ("median", "nnm"),
+        ("fedavg", "none"): ("fedavg", None),
+    }
+    assert validate_aggregation({"strategy": "fedbuff", "mixing": "none"})
+    with pytest.raises(ValueError, match="mixing applies to the robust strategies"):
+        validate_aggregation({"strategy": "fedbuff", "mixing": "nnm"})
+
+
+@pytest.mark.django_db
 def test_base_model_with_uploaded_weights_must_match_the_family(api_client_for):
     from edge_agent.families import get_family
 
