@@ -19,7 +19,7 @@ from django.utils import timezone
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.services import enrollment_token_create
 from training.models import AdapterVersion, Delta, Rollout, Round
-from training.rollouts import rollout_create
+from training.rollouts import device_bucket, rollout_create
 from training.rounds import round_open
 
 
@@ -149,12 +149,16 @@ def pages_world(cohort, adapter, make_user) -> World:
     pending = make_devices(cohort, 2, status=DeviceStatus.PENDING, prefix="new")
     round_ = round_open(adapter=adapter, actor=operator, buffer_size=50)
     make_deltas(devices, adapter, versions[-1], 8, round_=round_, rejected_every=4)
-    rollout = rollout_create(
-        version=versions[-1],
-        cohort=cohort,
-        phases=[{"percent": 50, "min_soak_seconds": 60}, {"percent": 100}],
-        guards=[{"metric": "eval_accuracy", "min": 0.8}],
-        actor=operator,
-    )
+    while True:  # device ids are random: a rollout whose first phase (50%) holds some of the 6 devices, not all
+        rollout = rollout_create(
+            version=versions[-1],
+            cohort=cohort,
+            phases=[{"percent": 50, "min_soak_seconds": 60}, {"percent": 100}],
+            guards=[{"metric": "eval_accuracy", "min": 0.8}],
+            actor=operator,
+        )
+        if 0 < sum(device_bucket(rollout.pk, device.pk) < 50 for device in devices) < len(devices):
+            break
+        rollout.delete()  # 1 time in 32
     issued = enrollment_token_create(cohort=cohort, name="line-1", expires_at=timezone.now() + timedelta(days=1))
     return World(cohort, adapter, versions, devices, pending, round_, rollout, issued.token)

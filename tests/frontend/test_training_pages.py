@@ -157,6 +157,8 @@ def test_a_bad_rollout_form_says_what_is_wrong_and_creates_nothing(pages_world, 
 
 
 def test_rollout_lifecycle_from_the_detail_page(pages_world, client_for):
+    from training.rollouts import device_bucket
+
     url = f"/rollouts/{pages_world.rollout.pk}"
     operator = client_for("operator")
     assert client_for("viewer").post(f"{url}/start/").status_code == 403
@@ -164,7 +166,8 @@ def test_rollout_lifecycle_from_the_detail_page(pages_world, client_for):
     assert 'data-action="start"' in operator.get(f"{url}/").content.decode()
     assert "started" in operator.post(f"{url}/start/", follow=True).content.decode()
     pages_world.rollout.refresh_from_db()
-    assert pages_world.rollout.state == "running" and pages_world.rollout.assignments.count() > 0
+    first = sum(device_bucket(pages_world.rollout.pk, d.pk) < 50 for d in pages_world.devices)  # phase 0: 50%
+    assert pages_world.rollout.state == "running" and pages_world.rollout.assignments.count() == first > 0
     html = operator.post(f"{url}/pause/", {"reason": "checking metrics"}, follow=True).content.decode()
     assert "paused" in html and "checking metrics" in html
     assert "Cannot pause a rollout that is paused." in operator.post(f"{url}/pause/", follow=True).content.decode()
