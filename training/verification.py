@@ -187,17 +187,22 @@ def delta_attempt(ids: list[int]) -> dict[int, int]:
     before the checks: a worker that dies in them still leaves it up (``given_up``)."""
     if not ids:
         return {}
+    with connection.cursor() as cursor:
+        cursor.execute(_attempt_sql(), [list(ids), Delta.State.RECEIVED])
+        return dict(cursor.fetchall())
+
+
+@lru_cache(maxsize=1)
+def _attempt_sql() -> str:
+    """``delta_attempt``'s UPDATE ... RETURNING (built once, as ``_outcome_sql``)."""
     meta = Delta._meta
     quote = connection.ops.quote_name
     attempts = quote(meta.get_field("verify_attempts").column)
-    sql = (  # identifiers from the model's own metadata; every value a parameter
+    return (  # identifiers from the model's own metadata; every value a parameter
         f"UPDATE {quote(meta.db_table)} SET {attempts} = {attempts} + 1"  # noqa: S608
         f" WHERE {quote(meta.pk.column)} = ANY(%s) AND {quote(meta.get_field('state').column)} = %s"
         f" RETURNING {quote(meta.pk.column)}, {attempts}"
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [list(ids), Delta.State.RECEIVED])
-        return dict(cursor.fetchall())
 
 
 def given_up(delta: Delta, attempts: int) -> Verdict | None:

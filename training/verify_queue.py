@@ -51,6 +51,19 @@ def _lock(shard: int) -> str:
     return f"verify:drain:{shard}"
 
 
+def _recheck(shard: int) -> str:
+    return f"verify:recheck:{shard}"
+
+
+def _look_again(shard: int, countdown: int) -> None:
+    """Queue a drain of the shard ``countdown`` seconds from now, unless one is queued already (at most one
+    per shard within LOCK_SECONDS)."""
+    from training.tasks import verify_shard
+
+    if cache.add(_recheck(shard), 1, timeout=LOCK_SECONDS):
+        verify_shard.apply_async((shard,), countdown=countdown)
+
+
 # A drainer renews or lets go of the shard's lock only while the lock holds its own token: one that outlived
 # its lock (paused or starved past LOCK_SECONDS) must neither keep nor free the lock a successor took since.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
@@ -170,8 +183,7 @@ def shard_drain(shard: int) -> int:
 
     done, deadline, more, lost, failed = 0, time.monotonic() + DRAIN_SECONDS, False, False, set()
     if (token := _lock_take(shard)) is None:
-        if cache.add(f"verify:recheck:{shard}", 1, timeout=LOCK_SECONDS):
-            verify_shard.apply_async((shard,), countdown=LOCK_SECONDS + 1)
+        _look_again(shard, countdown=LOCK_SECONDS + 1)
         return 0
     while True:
         try:
@@ -188,8 +200,7 @@ def shard_drain(shard: int) -> int:
             _lock_if_held(_RELEASE, shard, token)
         if lost:
             logger.warning("shard %d's drain lock ran out during a batch; leaving the shard to its next drainer", shard)
-            if cache.add(f"verify:recheck:{shard}", 1, timeout=LOCK_SECONDS):  # in case nobody took it
-                verify_shard.apply_async((shard,), countdown=1)
+            _look_again(shard, countdown=1)  # in case nobody took it
             break
         if more:  # out of time with work left: a fresh task goes on, behind whatever else is queued
             verify_shard.delay(shard)

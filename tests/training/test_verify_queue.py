@@ -31,7 +31,7 @@ def wakes(monkeypatch, settings):
 
     def lower_everything():
         for shard in range(shards):
-            cache.delete_many([verify_queue._flag(shard), verify_queue._lock(shard), f"verify:recheck:{shard}"])
+            cache.delete_many([verify_queue._flag(shard), verify_queue._lock(shard), verify_queue._recheck(shard)])
 
     lower_everything()
     queued: dict[str, list] = {"delay": [], "later": [], "aggregate": []}
@@ -194,7 +194,7 @@ def test_a_drainer_that_outlived_its_lock_neither_renews_nor_frees_its_successor
     assert Delta.objects.filter(pk__in=[d.pk for d in deltas], state="received").count() == 4
 
     cache.delete(verify_queue._lock(0))  # the successor finished; the look again drains the rest
-    cache.delete("verify:recheck:0")
+    cache.delete(verify_queue._recheck(0))
     assert verify_queue.shard_drain(0) == 4
     assert set(Delta.objects.filter(pk__in=[d.pk for d in deltas]).values_list("state", flat=True)) == {"accepted"}
     assert cache.get(verify_queue._lock(0)) is None  # its own lock freed
