@@ -22,6 +22,7 @@ from edge_agent.families import get_family
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.packaging import Outbox
+from edge_agent.personal import PersonalSettings, PersonalStore, derive, personalize, private_keys
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
 from edge_agent.training import TrainConfig, train_adapter
@@ -30,6 +31,7 @@ logger = logging.getLogger("edge_agent.runtime")
 CONFIG_FILE = "settings.json"
 LAST_TRAINING_FILE = "last_training.json"
 TRAINING_RUN_FILE = "training_run.json"  # the samples a training pass uses, until it has ended
+VAL_EVERY = 5  # every 5th sample in arrival order is local validation (local_split's val_fraction 0.2)
 
 
 @dataclass
@@ -42,6 +44,7 @@ class AgentConfig:
     train: dict[str, Any] = field(default_factory=lambda: {"epochs": 3, "lr": 0.01, "replay_ratio": 0.25})
     encoding: str = "f32"
     train_interval_seconds: float = 30.0
+    train_window: int = 1000  # a pass trains on at most the newest this many samples (0: all of them)
 
     @classmethod
     def load(cls, home: Path) -> AgentConfig:
@@ -74,6 +77,7 @@ class DeviceRuntime:
         self.adapters = AdapterStore(home)
         self.outbox = Outbox(home)
         self.samples = SampleStore(home / "samples")
+        self.personal = PersonalStore(home)
         self.power = power_source(self.config.power)
         self.policy = TrainingPolicy(**self.config.policy)
         self.last: dict[str, Any] = self._read_last()
@@ -102,17 +106,38 @@ class DeviceRuntime:
         metrics = {f"val_{k}": round(float(v), 4) for k, v in after.items() if isinstance(v, int | float)}
         if metrics:
             beat["metrics"] = metrics
+        personal = self.personal.report()
+        if personal is not None:
+            beat["personal"] = personal
         return beat
 
     def _source(self, family, training: dict) -> SimulatedStream | None:
+        """The simulated demo source (``data.kind == "simulated"``): this device's shard, seen as its user sees
+        it, arriving for as long as the agent runs (``wrap``, on unless set false)."""
         data = self.config.data
         if data.get("kind") != "simulated":
             return None
         shard_config = {**training.get("family_config", {}), **{k: v for k, v in data.items() if k != "kind"}}
         train, _ = family.dataset(shard_config)
-        stream = SimulatedStream(train, per_poll=int(data.get("per_poll", 16)), seed=int(data.get("device_index", 0)))
+        stream = SimulatedStream(
+            train,
+            per_poll=int(data.get("per_poll", 16)),
+            seed=int(data.get("device_index", 0)),
+            wrap=bool(data.get("wrap", True)),
+            multiple=VAL_EVERY,
+        )
         stream.seek(len(self.samples))
         return stream
+
+    def _window(self, count: int) -> int:
+        """Where this pass's samples start: the newest ``train_window`` of the first ``count`` (older ones live
+        on in the replay buffer), on a multiple of ``VAL_EVERY`` so every sample keeps its train/validation
+        side."""
+        window = int(self.config.train_window or 0)
+        if not window or count <= window:
+            return 0
+        start = count - window
+        return start + (-start % VAL_EVERY)
 
     def _model(self, training: dict, tensors: dict, base_sha: str):
         family = get_family(training["family"])
@@ -141,7 +166,9 @@ class DeviceRuntime:
             self.samples.collect(source, max_polls=1)
         if len(self.samples) == 0:
             return {}
-        _, val = local_split({k: torch.as_tensor(v) for k, v in self.samples.load().items()})
+        total = len(self.samples)
+        recent = self.samples.load(self._window(total), total)
+        _, val = local_split({k: torch.as_tensor(v) for k, v in recent.items()}, val_fraction=1 / VAL_EVERY)
         if not len(next(iter(val.values()))):
             return {}
         metrics: dict[str, float] = {}
@@ -176,6 +203,68 @@ class DeviceRuntime:
         """The adapter to upload the change of (a hook: the demo's misbehaving device overrides it)."""
         return adapter_tensors(model)
 
+    def _recent(self, count: int) -> tuple[dict, dict]:
+        """The local train and validation slices of this pass: the newest ``train_window`` of ``count``."""
+        data = {k: torch.as_tensor(v) for k, v in self.samples.load(self._window(count), count).items()}
+        return local_split(data, val_fraction=1 / VAL_EVERY)
+
+    def _train_config(self, checkpoint_dir: Path) -> TrainConfig:
+        return TrainConfig(**{**self.config.train, "checkpoint_dir": checkpoint_dir})
+
+    def _replay(self) -> ReplayBuffer:
+        return ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
+
+    def personal_pass(self, current: dict, *, count: int, trained: dict | None = None, train_personal=True) -> dict:
+        """Make, measure and choose the personal model from the installed shared version ``current`` and the
+        first ``count`` samples (``edge_agent.personal``). ``trained`` is the shared pass's adapter, whose
+        private modules a ``private_modules`` device keeps. Marked pending first, so a pass cut short is taken
+        up again (and resumes from its checkpoint) before anything else."""
+        training = current["training"]
+        settings = PersonalSettings.from_training(training)
+        family = get_family(training["family"])
+        state = self.personal.state()
+        same = state.get("adapter") == current["adapter"] and state.get("method") == settings.method
+        personal = self.personal.tensors() if same else None
+        if settings.method == "finetune" and state.get("version") != current["version"]:
+            personal = None  # re-derived from the new shared version
+        if settings.method == "private_modules" and trained is not None:
+            personal = trained
+        self.personal.save(None, pending={"sha256": current["sha256"], "count": count})
+        train, val = self._recent(count)
+        base_sha = self.adapters.state()["base_model_sha256"]
+        outcome = personalize(
+            build=lambda tensors: self._model(training, tensors, base_sha)[1],
+            shared=load_file(current["path"]),
+            personal=personal,
+            train=train,
+            val=val,
+            settings=settings,
+            family=family,
+            config=self._train_config(self.personal.checkpoint_dir),
+            replay=self._replay(),
+            train_personal=train_personal,
+        )
+        measured = outcome.personal or outcome.shared
+        state = self.personal.save(
+            outcome.tensors,
+            adapter=current["adapter"],
+            version=current["version"],
+            shared_sha256=current["sha256"],
+            method=settings.method,
+            serving=outcome.serving,
+            shared_accuracy=round(float(outcome.shared.get("accuracy", 0.0)), 6),
+            personal_accuracy=round(float(measured.get("accuracy", 0.0)), 6),
+            val_samples=int(outcome.shared.get("samples", 0)),
+            trained_samples=len(train.get("y", ())) if train else 0,
+            pending=None,
+        )
+        logger.info(
+            "personal model (%s) on %s v%s: shared %.3f, personal %.3f; serving %s",
+            settings.method, current["adapter"], current["version"], state["shared_accuracy"],
+            state["personal_accuracy"], state["serving"],
+        )  # fmt: skip
+        return state
+
     def train_once(self, *, force: bool = False) -> dict:
         """One pass of the loop; returns (and records) what it decided and why."""
         current = self.adapters.state().get("current")
@@ -186,25 +275,46 @@ class DeviceRuntime:
         source = self._source(family, training)
         if source is not None:
             self.samples.collect(source, max_polls=1)
+        pending = self.personal.state().get("pending") or {}
         if not force:
-            go, reason = self.policy.decide(new_samples=self.samples.new_count(), power=self.power_state())
+            new_samples = self.samples.new_count()
+            if pending.get("sha256") == current.get("sha256"):
+                new_samples = max(new_samples, self.policy.min_new_samples)  # only the power rules decide
+            go, reason = self.policy.decide(new_samples=new_samples, power=self.power_state())
             if not go:
                 return self._note(status="skipped", reason=reason)
+        if pending.get("sha256") == current.get("sha256") and int(pending.get("count", 0)) <= len(self.samples):
+            personal = self.personal_pass(current, count=int(pending["count"]))
+            return self._note(status="personalized", reason="finished a personal pass that was cut short",
+                              personal=personal, version=current["version"])  # fmt: skip
+        settings = PersonalSettings.from_training(training)
         started = {k: v.clone() for k, v in load_file(current["path"]).items()}
-        family, model = self._model(training, started, self.adapters.state()["base_model_sha256"])
+        private = private_keys(started, settings.private_modules) if settings.method == "private_modules" else set()
+        mine = self.personal.tensors() if private else None
+        family, model = self._model(
+            training, derive(started, mine, settings), self.adapters.state()["base_model_sha256"]
+        )
         count = self._pass_samples(current)
-        data = {k: torch.as_tensor(v) for k, v in self.samples.load(0, count).items()}
-        train, val = local_split(data)
-        config = TrainConfig(**{**self.config.train, "checkpoint_dir": self.home / "checkpoints"})
-        replay = ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
-        result = train_adapter(model, train, val, config=config, family=family, replay=replay)
+        train, val = self._recent(count)
+        result = train_adapter(
+            model, train, val, config=self._train_config(self.home / "checkpoints"), family=family,
+            replay=self._replay(),
+        )  # fmt: skip
+        trained = adapter_tensors(model)
+        personal = {}
         if result.discarded:
             self.samples.mark_trained(count)
             (self.home / TRAINING_RUN_FILE).unlink(missing_ok=True)
             logger.info("discarded the update: %s", result.reason)
-            return self._note(status="discarded", reason=result.reason, before=result.before, after=result.after)
+            if settings.method != "none":
+                personal = self.personal_pass(current, count=count)
+            return self._note(status="discarded", reason=result.reason, before=result.before, after=result.after,
+                              personal=personal)  # fmt: skip
+        upload = self.delta_tensors(model, started)
+        for key in private:  # the device's own modules: no change of them leaves the device
+            upload[key] = started[key]
         item, added = self.outbox.put_delta(
-            self.delta_tensors(model, started),
+            upload,
             started,
             key=self.key,
             device_id=self.state.device_id,
@@ -230,6 +340,8 @@ class DeviceRuntime:
             item.sha256[:12],
             item.counter,
         )
+        if settings.method != "none":
+            personal = self.personal_pass(current, count=count, trained=trained)
         return self._note(
             status="trained",
             reason="policy allowed" if not force else "forced",
@@ -239,6 +351,7 @@ class DeviceRuntime:
             counter=item.counter,
             new=added,
             version=current["version"],
+            personal=personal,
         )
 
 

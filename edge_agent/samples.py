@@ -50,25 +50,45 @@ class SampleSource(Protocol):
 
 class SimulatedStream:
     """A demo source: the device's shard of a data set arriving ``per_poll`` samples at a time, in an order
-    fixed by ``seed``. ``seek(n)`` resumes after the first ``n`` samples (the store's length after a restart)."""
+    fixed by ``seed``. ``seek(n)`` resumes after the first ``n`` samples (the store's length after a restart).
 
-    def __init__(self, data: dict, indices=None, *, per_poll: int = 16, seed: int = 0):
+    With ``wrap`` the shard arrives again and again, as a user keeps writing the same digits: every later pass
+    has the same order (so a sample keeps its place in ``local_split`` when each pass's length is a multiple of
+    ``multiple``; the remainder is left out) and its float fields a little fresh noise (``jitter``)."""
+
+    def __init__(
+        self, data: dict, indices=None, *, per_poll: int = 16, seed: int = 0, wrap: bool = False,
+        multiple: int = 1, jitter: float = 0.02,
+    ):  # fmt: skip
         self.data = _as_numpy(data)
         n = len(next(iter(self.data.values())))
         order = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         self.order = np.random.default_rng(seed).permutation(order)
-        self.per_poll = int(per_poll)
+        if wrap:
+            self.order = self.order[: len(self.order) - len(self.order) % max(int(multiple), 1)]
+        self.per_poll, self.wrap, self.jitter, self.seed = int(per_poll), wrap, float(jitter), seed
         self.position = 0
 
     def seek(self, position: int) -> None:
-        self.position = min(int(position), len(self.order))
+        self.position = int(position) if self.wrap else min(int(position), len(self.order))
 
     def poll(self) -> dict[str, np.ndarray] | None:
-        if self.position >= len(self.order):
+        n = len(self.order)
+        if not n or (not self.wrap and self.position >= n):
             return None
-        chosen = self.order[self.position : self.position + self.per_poll]
-        self.position += len(chosen)
-        return {key: value[chosen] for key, value in self.data.items()}
+        stop = self.position + self.per_poll if self.wrap else min(self.position + self.per_poll, n)
+        positions = np.arange(self.position, stop)
+        self.position = stop
+        batch = {key: value[self.order[positions % n]] for key, value in self.data.items()}
+        repeat = positions // n
+        if self.jitter and repeat.any():  # a repeat is the same digit written again, not the same pixels
+            rng = np.random.default_rng([self.seed, int(positions[0])])
+            for key, value in batch.items():
+                if np.issubdtype(value.dtype, np.floating):
+                    noise = rng.normal(0.0, self.jitter, value.shape).astype(value.dtype)
+                    noise[repeat == 0] = 0
+                    batch[key] = value + noise
+        return batch
 
 
 class SampleStore:

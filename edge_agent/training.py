@@ -154,11 +154,14 @@ def train_adapter(
     family: Any = None,
     replay: ReplayBuffer | None = None,
     ewc: OnlineEWC | None = None,
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train the adapter carried by ``model`` (see ``apply_adapter``) on ``train_data``, judge it on
     ``val_data`` (dicts of tensors, labels under ``"y"``). ``family`` supplies ``loss``/``evaluate``
-    (classification cross-entropy by default). ``progress`` gets ``{"event": "step"|"epoch", ...}`` dicts."""
+    (classification cross-entropy by default); ``penalty(model)``, when given, is added to every micro-batch's
+    loss (Ditto's pull toward the shared adapter, ``edge_agent.personal``).
+    ``progress`` gets ``{"event": "step"|"epoch", ...}`` dicts."""
     began = time.monotonic()
     loss_fn = family.loss if family is not None else classification_loss
     evaluate = family.evaluate if family is not None else classification_evaluate
@@ -247,6 +250,8 @@ def train_adapter(
                     loss = loss_fn(model, batch)
                     if ewc is not None and ewc.active:
                         loss = loss + ewc.penalty(model)
+                    if penalty is not None:
+                        loss = loss + penalty(model)
                     if not torch.isfinite(loss):
                         diverged = f"training diverged (loss {float(loss.detach())}) at step {state['step'] + 1}"
                         break

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.families.common import classification_evaluate, classification_loss, dirichlet_shards
+from edge_agent.families.common import classification_evaluate, classification_loss, dirichlet_shards, take
+from edge_agent.families.digits_users import UserProfile, factory_split, profile_for, user_data
 
 __all__ = ["DigitsCNN", "DigitsNet", "dirichlet_shards", "evaluate", "load_split", "TEST_SIZE", "SPLIT_SEED"]
 
@@ -76,18 +77,32 @@ class DigitsCNN:
         return DigitsNet(width=int(config.get("width", 16)))
 
     def dataset(self, config: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The fixed train/test split; with ``num_devices`` and ``device_index`` in the config, the train part
-        is that device's Dirichlet shard (``alpha``, default 0.5; ``shard_seed``, default 0)."""
+        """The fixed train/test split. With ``factory_fraction`` the train part is split once more
+        (``digits_users.factory_split``, seed ``factory_seed``): ``"part": "factory"`` gives the factory part a
+        base is trained on centrally, otherwise the devices' pool. With ``num_devices`` and ``device_index`` the
+        train part is that device's Dirichlet shard (``alpha``, default 0.5; ``shard_seed``, default 0), seen
+        as its user sees it: ``scenario`` (``digits_users.SCENARIOS``, profile drawn from ``shard_seed``) or an
+        explicit ``profile``. The test part is always the server's evaluation set, as is."""
         train, test = load_split()
+        fraction = float(config.get("factory_fraction", 0) or 0)
+        if fraction:
+            factory, pool = factory_split(
+                train["y"].numpy(), fraction=fraction, seed=int(config.get("factory_seed", 0))
+            )
+            train = take(train, torch.as_tensor(factory if config.get("part") == "factory" else pool))
         if "device_index" in config:
+            index = int(config["device_index"])
             shards = dirichlet_shards(
                 train["y"].numpy(),
                 int(config.get("num_devices", 10)),
                 float(config.get("alpha", 0.5)),
                 int(config.get("shard_seed", 0)),
             )
-            index = torch.as_tensor(shards[int(config["device_index"])])
-            train = {key: value[index] for key, value in train.items()}
+            train = take(train, torch.as_tensor(shards[index]))
+            if "profile" in config:
+                train = user_data(train, UserProfile.from_dict(config["profile"]))
+            elif config.get("scenario"):
+                train = user_data(train, profile_for(config["scenario"], index, seed=int(config.get("shard_seed", 0))))
         return train, test
 
     def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, float]:

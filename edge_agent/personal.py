@@ -1,0 +1,219 @@
+"""The device's own model: a personal adapter trained on its own data, kept beside the shared version.
+
+The shared version (what the server rolled out) carries what the fleet learned together; the personal model
+carries what this device learned from its user, and never leaves it (only its accuracy does, in heartbeats).
+How it is made is the adapter's ``personalization`` setting, signed into the manifest's ``training`` object
+(README "Personalization"):
+
+- ``none``: no personal model; the device serves the shared version (the behaviour before personalization).
+- ``finetune``: the shared version fine-tuned on local data; re-derived from each new shared version.
+- ``ditto``: a personal adapter that lives across versions, trained with a pull ``lambda/2 ||p - s||^2`` toward
+  the installed shared adapter ``s``.
+- ``private_modules``: the named modules (the classifier head, say) stay on the device: the shared pass trains
+  with the device's own copy of them and uploads no change to them; the personal model is the shared version
+  with the device's modules in place, which are then trained alone on local data (FedPer / FedRep).
+
+Whatever the method, the uploaded delta keeps its meaning (the change to the shared adapter). After each pass
+the device measures the shared version and its personal model on its local validation slice and serves the
+personal one only where it is better by ``margin`` on at least ``min_val_samples`` samples.
+
+On disk (``<home>/personal/``): ``state.json`` (the method, which shared version the model derives from, the
+last measurement, what is served) and the adapter file it names (``adapter-<n>.safetensors``). A new model is
+written under a new name first, then ``state.json`` is swapped in one rename, so a power cut leaves the old
+pair or the new one, never a mix. Training checkpoints live in ``checkpoints/`` and resume after a kill.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+from torch import nn
+
+from edge_agent.identity import atomic_write
+from edge_agent.lora_layers import PREFIX, adapter_parameters
+from edge_agent.training import TrainConfig, TrainResult, train_adapter
+
+logger = logging.getLogger("edge_agent.personal")
+METHODS = ("none", "finetune", "ditto", "private_modules")
+PERSONAL_DIR = "personal"
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class PersonalSettings:
+    """The adapter's ``personalization`` setting as the manifest carries it (absent: ``none``)."""
+
+    method: str = "none"
+    lam: float = 0.1  # "lambda" in the manifest
+    private_modules: tuple[str, ...] = ("head",)
+    epochs: int = 5
+    lr: float = 0.01
+    margin: float = 0.01
+    min_val_samples: int = 10
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown personalization method {self.method!r}: use one of {list(METHODS)}")
+        if not (math.isfinite(self.lam) and self.lam >= 0 and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError("personalization lambda must be >= 0 and lr > 0, both finite")
+
+    @classmethod
+    def from_training(cls, training: dict | None) -> PersonalSettings:
+        values = dict((training or {}).get("personalization") or {})
+        if "lambda" in values:
+            values["lam"] = values.pop("lambda")
+        known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        if "private_modules" in known:
+            known["private_modules"] = tuple(known["private_modules"])
+        return cls(**known)
+
+    def as_dict(self) -> dict:
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {**values, "lambda": values.pop("lam"), "private_modules": list(self.private_modules)}
+
+
+def private_keys(keys, modules) -> set[str]:
+    """The adapter tensors (PEFT keys) that belong to the private ``modules``."""
+    prefixes = tuple(f"{PREFIX}{m}." for m in modules)
+    return {key for key in keys if key.startswith(prefixes)}
+
+
+def derive(shared: dict, personal: dict | None, settings: PersonalSettings) -> dict:
+    """The personal model's starting tensors given the installed shared ones: for ``private_modules`` the shared
+    version with the device's own modules in place, otherwise the personal adapter as it stands (or, before
+    there is one or where a tensor's shape changed, the shared one)."""
+    if settings.method == "none" or not personal:
+        return dict(shared)
+    keys = private_keys(shared, settings.private_modules) if settings.method == "private_modules" else set(shared)
+    return {
+        key: personal[key] if key in keys and key in personal and personal[key].shape == value.shape else value
+        for key, value in shared.items()
+    }
+
+
+def proximal_penalty(
+    model: nn.Module, anchor: dict[str, torch.Tensor], lam: float
+) -> Callable[[nn.Module], torch.Tensor]:
+    """Ditto's ``lambda/2 * ||p - s||^2`` over the adapter's trainable tensors, ``s`` = ``anchor``."""
+    anchors = {key: anchor[key].detach().clone() for key in adapter_parameters(model)}
+
+    def penalty(live: nn.Module) -> torch.Tensor:
+        parameters = adapter_parameters(live)
+        return 0.5 * lam * sum(((parameters[k] - anchors[k]) ** 2).sum() for k in anchors)
+
+    return penalty
+
+
+@dataclass
+class PersonalOutcome:
+    tensors: dict[str, torch.Tensor] | None  # the personal adapter (None with method "none")
+    shared: dict[str, float]  # the shared version on the local validation slice
+    personal: dict[str, float]  # the personal model on it
+    serving: str  # "personal" or "shared"
+    result: TrainResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def choose(shared: dict, personal: dict, settings: PersonalSettings) -> str:
+    """Serve the personal model only where local validation says it helps: better by ``margin`` on at least
+    ``min_val_samples`` samples. No device is worse off for being personalized."""
+    if settings.method == "none" or not personal or not shared:
+        return "shared"
+    enough = int(personal.get("samples", 0)) >= max(settings.min_val_samples, 1)
+    better = personal.get("accuracy", float("nan")) >= shared.get("accuracy", float("nan")) + settings.margin
+    return "personal" if enough and better else "shared"
+
+
+def personalize(
+    *,
+    build: Callable[[dict], nn.Module],
+    shared: dict[str, torch.Tensor],
+    personal: dict[str, torch.Tensor] | None,
+    train: dict,
+    val: dict,
+    settings: PersonalSettings,
+    family,
+    config: TrainConfig,
+    replay=None,
+    train_personal: bool = True,
+) -> PersonalOutcome:
+    """One personal pass on the device's data: start from ``derive(shared, personal)``, train as the method says
+    (unless ``train_personal`` is false: then only measure), measure both models on ``val`` and choose.
+    ``build(tensors)`` gives the base model carrying those adapter tensors. Used by the runtime and, on the
+    same code path, by ``bench/personalization.py``."""
+    shared_metrics = family.evaluate(build(shared).eval(), val)
+    if settings.method == "none":
+        return PersonalOutcome(None, shared_metrics, {}, "shared")
+    model = build(derive(shared, personal, settings))
+    result, penalty = None, None
+    if settings.method == "ditto":
+        penalty = proximal_penalty(model, shared, settings.lam)
+    if settings.method == "private_modules":
+        private = private_keys(adapter_parameters(model), settings.private_modules)
+        for key, parameter in adapter_parameters(model).items():
+            parameter.requires_grad_(key in private)
+    if train_personal:
+        run = replace(config, epochs=settings.epochs, lr=settings.lr, update_replay=False)
+        result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
+    tensors = {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model).items()}
+    personal_metrics = family.evaluate(model.eval(), val)
+    return PersonalOutcome(
+        tensors, shared_metrics, personal_metrics, choose(shared_metrics, personal_metrics, settings), result
+    )
+
+
+class PersonalStore:
+    """``<home>/personal/``: the personal adapter and what the device knows of it (module docstring)."""
+
+    def __init__(self, home: Path):
+        self.root = Path(home) / PERSONAL_DIR
+        self.state_path = self.root / STATE_FILE
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def state(self) -> dict:
+        try:
+            return json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        except ValueError:  # written atomically: only a hand edit gets here
+            logger.warning("%s is not JSON; starting the personal model afresh", self.state_path)
+            return {}
+
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        name = self.state().get("file")
+        path = self.root / name if name else None
+        return load_file(str(path)) if path and path.exists() else None
+
+    def save(self, tensors: dict[str, torch.Tensor] | None, **fields) -> dict:
+        """Write a new personal adapter (if given) and the state naming it, in that order; returns the state."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        state = self.state()
+        old = state.get("file")
+        if tensors is not None:
+            number = int(state.get("saved", 0)) + 1
+            name = f"adapter-{number}.safetensors"
+            atomic_write(self.root / name, save({k: v.contiguous() for k, v in sorted(tensors.items())}))
+            state.update(file=name, saved=number)
+        state.update(fields, updated_at=round(time.time(), 3))
+        atomic_write(self.state_path, json.dumps(state, indent=2).encode(), mode=0o600)
+        if tensors is not None and old and old != state["file"]:
+            (self.root / old).unlink(missing_ok=True)
+        return state
+
+    def report(self) -> dict | None:
+        """The heartbeat's ``personal`` object (edge_agent/PROTOCOL.md), or None before the first measurement."""
+        state = self.state()
+        if "shared_accuracy" not in state:
+            return None
+        fields = ("adapter", "version", "method", "serving", "shared_accuracy", "personal_accuracy", "val_samples",
+                  "trained_samples", "updated_at")  # fmt: skip
+        return {key: state.get(key) for key in fields}

@@ -1,0 +1,91 @@
+"""The device's own model (edge_agent.personal): each method makes a personal adapter from local data that the
+device keeps, serves where its validation says it helps, re-derives from a new shared version, and never
+uploads (its delta stays the change to the shared adapter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from edge_agent.packaging import Outbox
+from edge_agent.personal import PersonalSettings, PersonalStore, choose, private_keys
+from tests.edge_agent.personal_support import device, install, training_manifest
+
+METHOD = {
+    "ditto": {"method": "ditto", "lambda": 0.05, "epochs": 6, "lr": 0.01},
+    "finetune": {"method": "finetune", "epochs": 6, "lr": 0.01},
+    "private_modules": {"method": "private_modules", "private_modules": ["head"], "epochs": 6, "lr": 0.02},
+}
+
+
+@pytest.mark.parametrize("method", sorted(METHOD))
+def test_a_device_whose_user_sees_digits_differently_gets_a_personal_model_that_beats_the_shared(
+    method, digits, pretrained_base, tmp_path
+):
+    family, _, _ = digits
+    training = training_manifest(family, METHOD[method])
+    install(tmp_path, pretrained_base, family, version=1, training=training)
+    runtime = device(tmp_path, scenario="feature")
+    outcome = runtime.train_once()
+    assert outcome["status"] == "trained", outcome
+    state = PersonalStore(tmp_path).state()
+    assert state["method"] == method and state["version"] == 1 and state["pending"] is None
+    assert state["personal_accuracy"] > state["shared_accuracy"] + 0.05, state
+    assert state["serving"] == "personal"
+    beat = runtime.heartbeat()["personal"]
+    assert beat["serving"] == "personal" and beat["val_samples"] == state["val_samples"] > 0
+    # the upload is the change to the shared adapter, never the personal one
+    item = Outbox(tmp_path).pending()[0]
+    assert item.envelope["envelope"]["base_version"] == 1
+
+
+def test_private_modules_never_leave_the_device(digits, pretrained_base, tmp_path):
+    family, _, _ = digits
+    training = training_manifest(family, METHOD["private_modules"])
+    shared = install(tmp_path, pretrained_base, family, version=1, training=training)
+    runtime = device(tmp_path, scenario="concept")
+    assert runtime.train_once()["status"] == "trained"
+    delta = load(Outbox(tmp_path).pending()[0].read())  # f32: the file holds the change itself
+    head = private_keys(shared, ["head"])
+    assert head and all(float(delta[k].abs().max()) == 0.0 for k in head)
+    assert any(float(delta[k].abs().max()) > 0 for k in set(delta) - head)
+    personal = PersonalStore(tmp_path).tensors()
+    assert any(not torch.equal(personal[k], shared[k]) for k in head)
+
+
+def test_a_new_shared_version_re_derives_the_personal_model_and_keeps_its_private_parts(
+    digits, pretrained_base, tmp_path
+):
+    family, _, _ = digits
+    training = training_manifest(family, METHOD["private_modules"])
+    install(tmp_path, pretrained_base, family, version=1, training=training)
+    runtime = device(tmp_path, scenario="concept", per_poll=100)
+    runtime.train_once()
+    before = PersonalStore(tmp_path).tensors()
+    new_shared = {k: v + 0.01 for k, v in load_file(str(tmp_path / "adapters" / "v1.safetensors")).items()}
+    install(tmp_path, pretrained_base, family, version=2, training=training, tensors=new_shared)
+    assert runtime.train_once()["status"] == "trained"
+    state, after = PersonalStore(tmp_path).state(), PersonalStore(tmp_path).tensors()
+    assert state["version"] == 2
+    head = private_keys(after, ["head"])
+    body = set(after) - head
+    assert all(torch.equal(after[k], new_shared[k]) for k in body)  # the shared body of the new version
+    assert all(not torch.equal(after[k], new_shared[k]) for k in head)  # the device's own head, trained on
+    assert set(before) == set(after)
+
+
+def test_the_device_serves_the_shared_version_where_personal_does_not_help_by_the_margin():
+    settings = PersonalSettings(method="ditto", margin=0.02, min_val_samples=10)
+    assert choose({"accuracy": 0.90, "samples": 40}, {"accuracy": 0.91, "samples": 40}, settings) == "shared"
+    assert choose({"accuracy": 0.90, "samples": 40}, {"accuracy": 0.95, "samples": 40}, settings) == "personal"
+    assert choose({"accuracy": 0.50, "samples": 5}, {"accuracy": 0.95, "samples": 5}, settings) == "shared"
+    assert choose({"accuracy": 0.5, "samples": 40}, {"accuracy": 0.9, "samples": 40}, PersonalSettings()) == "shared"
+
+
+def test_unknown_methods_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match="unknown personalization method"):
+        PersonalSettings.from_training({"personalization": {"method": "magic"}})
+    with pytest.raises(ValueError, match="lambda"):
+        PersonalSettings.from_training({"personalization": {"method": "ditto", "lambda": float("nan")}})
+    assert PersonalSettings.from_training({}).method == "none"
