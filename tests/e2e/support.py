@@ -74,36 +74,44 @@ def spawn(argv: list[str], env: dict) -> tuple[subprocess.Popen, Output]:
     return process, Output(process)
 
 
-def start_launcher(
-    env: dict, port: int, timeout: float = 120, demo_devices: int | None = None
-) -> tuple[subprocess.Popen, Output]:
-    """The product as `make run` starts it; without ``demo_devices``, no demo fleet (``--no-demo``)."""
-    process, output = spawn(
-        [
-            sys.executable,
-            "-m",
-            "fleet.launcher",
-            "run",
-            "--port",
-            str(port),
-            "--web-workers",
-            "1",
-            "--worker-concurrency",
-            "1",
-            *(["--devices", str(demo_devices)] if demo_devices else ["--no-demo"]),
-        ],
-        env,
-    )
+def launcher_argv(port: int, demo_devices: int | None = None) -> list[str]:
+    """The launcher's command line as `make run` gives it; without ``demo_devices``, no demo fleet."""
+    return [
+        sys.executable,
+        "-m",
+        "fleet.launcher",
+        "run",
+        "--port",
+        str(port),
+        "--web-workers",
+        "1",
+        "--worker-concurrency",
+        "1",
+        *(["--devices", str(demo_devices)] if demo_devices else ["--no-demo"]),
+    ]
+
+
+def await_ready(process: subprocess.Popen, output: Output, timeout: float = 120) -> None:
+    """Waits until ``process`` (the launcher, or a parent whose output it shares) says the product is up."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             time.sleep(0.3)
             pytest.fail("launcher exited early:\n" + output.tail())
         if any("press Ctrl-C to stop" in line for line in output.lines):
-            return process, output
+            return
         time.sleep(0.3)
     stop_launcher(process)
     pytest.fail("launcher not ready in time:\n" + output.tail())
+
+
+def start_launcher(
+    env: dict, port: int, timeout: float = 120, demo_devices: int | None = None
+) -> tuple[subprocess.Popen, Output]:
+    """The product as `make run` starts it; without ``demo_devices``, no demo fleet (``--no-demo``)."""
+    process, output = spawn(launcher_argv(port, demo_devices), env)
+    await_ready(process, output, timeout)
+    return process, output
 
 
 def stop_launcher(process: subprocess.Popen, timeout: float = 60) -> list[psutil.Process]:
