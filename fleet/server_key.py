@@ -2,7 +2,10 @@
 
 The key comes from ``SERVER_SIGNING_KEY`` (or ``SERVER_SIGNING_KEY_FILE``): a PEM private key or a
 base64url 32-byte seed. Without it, a key file is created once in the data folder (mode 0600) and reused;
-every process of one deployment must see the same data folder or the same variable.
+every process of one deployment must see the same data folder or the same variable. Creating it is safe when
+many processes and threads ask at once (a fresh ``make run`` enrolls its demo devices in parallel): each writes
+a complete key to a temporary file of its own and links it into place, link() never replaces an existing file,
+so exactly one key wins and every caller reads that one, never a half-written file.
 
 Rotation (``manage.py rotate_signing_key``, README "Rotating the server's signing key"): a statement naming the
 old and the new public key, signed by both, is stored as a ``ServerKeyRotation``; every manifest the server
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import threading
 import time
-from functools import cache
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -31,6 +35,8 @@ KEY_FILE_NAME = "server_signing_key.pem"
 NEXT_KEY_FILE_NAME = "server_signing_key.next.pem"
 _CHAIN_TTL_SECONDS = 30.0
 _chains: dict[str, tuple[float, list[dict]]] = {}
+_key_lock = threading.Lock()  # one thread of a process loads (or creates) the key; the others wait for it
+_key: Ed25519PrivateKey | None = None
 
 
 def _load_from_text(text: str) -> Ed25519PrivateKey:
@@ -56,10 +62,14 @@ def private_key_pem(key: Ed25519PrivateKey) -> bytes:
 
 
 def write_private_file(path: Path, data: bytes) -> Path:
-    """Write ``data`` to a new 0600 file beside ``path`` (fsynced) and return that temporary path."""
+    """Write ``data`` to a new 0600 file beside ``path`` (fsynced) and return that temporary path.
+
+    The name is this call's own (process, thread and a random part) and the file is created exclusively, so
+    concurrent callers never write into, link or delete each other's file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    unique = f"{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(8)}"
+    temporary = path.with_name(f".{path.name}.{unique}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
         handle.flush()
@@ -67,16 +77,34 @@ def write_private_file(path: Path, data: bytes) -> Path:
     return temporary
 
 
+def _sync_folder(folder: Path) -> None:
+    """Make a new name in ``folder`` durable (a key that devices pin must not vanish in a power cut)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _load_or_create_file(path: Path) -> Ed25519PrivateKey:
+    """The key in ``path``, created first if there is none. Safe to call from many threads and processes at
+    once: every caller gets the same key, whichever caller's link() won."""
     if not path.exists():
         temporary = write_private_file(path, private_key_pem(Ed25519PrivateKey.generate()))
-        try:  # link() never replaces: when processes start at once, exactly one complete key wins
+        try:  # link() never replaces: a complete key appears under the name at once, and only one does
             os.link(temporary, path)
+            _sync_folder(path.parent)
         except FileExistsError:
-            pass
+            pass  # another process or thread won: its key is the one
         finally:
             temporary.unlink()
-    return _load_from_text(path.read_text())
+    try:
+        return _load_from_text(path.read_text())
+    except (ImproperlyConfigured, ValueError) as exc:
+        raise ImproperlyConfigured(
+            f"the server signing key file {path} is not a complete Ed25519 key ({exc}); devices pinned the key it "
+            "held, so restore it from a backup rather than deleting it"
+        ) from None
 
 
 def load_private_key(text: str) -> Ed25519PrivateKey:
@@ -89,12 +117,20 @@ def key_file() -> Path | None:
     return None if env_secret("SERVER_SIGNING_KEY") else Path(settings.DATA_DIR) / KEY_FILE_NAME
 
 
-@cache
 def server_private_key() -> Ed25519PrivateKey:
-    configured = env_secret("SERVER_SIGNING_KEY")
-    if configured:
-        return _load_from_text(configured)
-    return _load_or_create_file(Path(settings.DATA_DIR) / KEY_FILE_NAME)
+    """The key this process signs with, loaded (or created) once per process, by one thread only."""
+    global _key
+    key = _key
+    if key is None:
+        with _key_lock:
+            if _key is None:
+                configured = env_secret("SERVER_SIGNING_KEY")
+                if configured:
+                    _key = _load_from_text(configured)
+                else:
+                    _key = _load_or_create_file(Path(settings.DATA_DIR) / KEY_FILE_NAME)
+            key = _key
+    return key
 
 
 def public_key_b64(key: Ed25519PrivateKey) -> str:
@@ -132,7 +168,9 @@ def key_rotations(public_key: str | None = None) -> list[dict]:
 
 def forget_cached_keys() -> None:
     """Drop this process's cached key and chains (after a rotation in this process; tests)."""
-    server_private_key.cache_clear()
+    global _key
+    with _key_lock:
+        _key = None
     _chains.clear()
 
 

@@ -4,6 +4,7 @@ import uuid
 
 import django_filters
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Count
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
@@ -34,6 +35,7 @@ from devices.api.serializers import (
 from devices.authentication import DeviceTokenAuthentication, IsDevice
 from devices.identity import NONCE_TTL_SECONDS, rest_challenge_create, rest_token_issue
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
+from devices.personalization import personal_report_record
 from devices.services import (
     device_enroll,
     device_transition,
@@ -211,16 +213,22 @@ class EnrollView(_PublicDeviceEndpoint):
     def post(self, request):
         data = EnrollRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        device = device_enroll(**data.validated_data)
-        body = {
-            "device_id": device.pk,
-            "status": device.status,
-            "cohort": device.cohort.name,
-            "server_public_key": server_public_key_b64(),
-            "websocket_path": AGENT_WS_PATH,
-            "heartbeat_interval": settings.HEARTBEAT_INTERVAL_SECONDS,
-        }
-        return Response(EnrollResponseSerializer(body).data, status=status.HTTP_201_CREATED)
+        # The key the device will pin, read (or created) before anything is written: a server that cannot sign
+        # must not leave behind a device that never received its enrollment.
+        server_public_key = server_public_key_b64()
+        with transaction.atomic():  # the device exists only if its whole answer could be made
+            device = device_enroll(**data.validated_data)
+            body = EnrollResponseSerializer(
+                {
+                    "device_id": device.pk,
+                    "status": device.status,
+                    "cohort": device.cohort.name,
+                    "server_public_key": server_public_key,
+                    "websocket_path": AGENT_WS_PATH,
+                    "heartbeat_interval": settings.HEARTBEAT_INTERVAL_SECONDS,
+                }
+            ).data
+        return Response(body, status=status.HTTP_201_CREATED)
 
 
 class DeviceChallengeView(_PublicDeviceEndpoint):
@@ -276,5 +284,8 @@ class DeviceHeartbeatView(_DeviceSelfView):
             state = presence.parse_heartbeat(dict(request.data))
         except ValueError as exc:
             raise ValidationError({"heartbeat": [str(exc)]}) from None
-        presence.record_heartbeat_sync(str(request.user.device.pk), state)
+        device_id = str(request.user.device.pk)
+        if presence.record_heartbeat_sync(device_id, state):  # a new personal measurement: store it
+            personal_report_record(device_id=device_id, personal=state["personal"])
+            presence.mark_personal_sync(device_id, state["personal"]["updated_at"])
         return Response(status=status.HTTP_204_NO_CONTENT)
