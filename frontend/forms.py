@@ -82,7 +82,10 @@ class EnrollmentTokenForm(forms.Form):
     expires_in_hours = forms.IntegerField(min_value=1, max_value=24 * 365, initial=24, label="Expires in (hours)")
     uses = forms.IntegerField(min_value=1, max_value=1_000_000, required=False, help_text="Empty: unlimited.")
     requires_approval = forms.BooleanField(
-        required=False, initial=True, help_text="Devices stay pending until an admin approves them."
+        required=False,
+        initial=True,
+        label_suffix="",  # the label follows its box (app.css): no colon
+        help_text="Devices stay pending until an admin approves them.",
     )
 
 

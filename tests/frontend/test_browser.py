@@ -238,8 +238,42 @@ def test_each_role_walks_every_page_with_screenshots_at_desktop_and_phone_width(
         phone.visit(path)
         width = phone.page.evaluate("document.documentElement.scrollWidth")
         assert width <= PHONE["width"] + 1, f"{name} scrolls sideways at phone width ({width}px)"
+        nav = phone.page.evaluate(NAV_GEOMETRY)
+        assert nav["overflow"] <= 0, f"{name}: the navigation scrolls sideways ({nav['overflow']}px hidden)"
+        left, right, top, bottom = nav["current"]
+        assert left >= 0 and right <= PHONE["width"] and top >= 0 and bottom <= PHONE["height"], (name, nav)
         phone.screenshot(f"{name}-phone")
     phone.close()
+
+
+# The main navigation: how far it would scroll sideways, and where the current page's link is on screen.
+NAV_GEOMETRY = """() => {
+  const nav = document.querySelector("nav[aria-label=main]");
+  const box = nav.querySelector("[aria-current=page]").getBoundingClientRect();
+  return {overflow: nav.scrollWidth - nav.clientWidth, current: [box.left, box.right, box.top, box.bottom]};
+}"""
+
+# A checkbox and its label: their boxes on screen.
+CHECKBOX_GEOMETRY = """(name) => {
+  const box = document.querySelector(`input[type=checkbox][name="${name}"]`);
+  const rect = (element) => element.getBoundingClientRect().toJSON();
+  return {box: rect(box), label: rect(document.querySelector(`label[for="${box.id}"]`))};
+}"""
+
+
+def test_a_form_checkbox_sits_right_before_its_label_on_one_line_at_desktop_and_phone_width(browser, server_url, world):
+    for viewport in (DESKTOP, PHONE):
+        ui = Dashboard(browser, server_url, "admin", viewport=viewport)
+        ui.visit("/enrollment-tokens/")
+        geometry = ui.page.evaluate(CHECKBOX_GEOMETRY, "requires_approval")
+        box, label = geometry["box"], geometry["label"]
+        assert 0 <= label["left"] - box["right"] <= 12, geometry  # beside it, not floated apart
+        middle = (box["top"] + box["bottom"]) / 2
+        assert label["top"] <= middle <= label["bottom"], geometry  # on the label's line
+        assert ui.page.inner_text("label[for=id_requires_approval]") == "Requires approval"
+        ui.page.click("label[for=id_requires_approval]")  # the label toggles its box
+        assert not ui.page.is_checked("input[name=requires_approval]")
+        ui.close()
 
 
 def test_admin_approves_a_device_and_creates_an_enrollment_token_shown_once(browser, server_url, world):
