@@ -16,8 +16,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 from edge_agent.download import DownloadError, download
+from edge_agent.families import get_family
 from edge_agent.identity import AgentState, atomic_write
+from edge_agent.lora_layers import apply_adapter
 from edge_agent.manifest import ManifestRefused, trusted_server_key, verify_manifest
 from edge_agent.rest import DeviceSession, ServerError
 
@@ -25,6 +30,22 @@ logger = logging.getLogger("edge_agent.assignments")
 # Evaluates a new adapter file (and the one it replaces) on local validation data, given the signed manifest,
 # returning guard metrics such as {"val_accuracy": 0.93, "val_accuracy_change": -0.01}.
 Evaluator = Callable[[Path | None, Path, dict], dict]
+
+
+def build_model(training: dict, tensors: dict, base_path: Path) -> torch.nn.Module:
+    """The base model of ``training``'s family carrying ``tensors`` as its adapter, in eval mode."""
+    family = get_family(training["family"])
+    base = family.build(training.get("family_config", {}))
+    base.load_state_dict(load_file(str(base_path)), strict=True)
+    return apply_adapter(
+        base,
+        {k: v.clone() for k, v in tensors.items()},
+        rank=training["rank"],
+        alpha=training["alpha"],
+        dropout=training.get("dropout", 0.0),
+        target_modules=training["target_modules"],
+        modules_to_save=training.get("modules_to_save", []),
+    ).eval()
 
 
 class AdapterStore:

@@ -4,8 +4,10 @@ edge-agent enroll --server URL --token T [--name NAME] [--label key=value ...]
 edge-agent run          # stay connected, train when the policy allows, upload deltas, apply assignments
 edge-agent train-once   # one training pass now (--force ignores the policy)
 edge-agent status       # identity, versions, outbox, last training, connection
-edge-agent export DIR   # the installed adapter as a PEFT directory
+edge-agent export DIR   # the installed adapter as a PEFT directory (--personal: the device's own model)
 edge-agent configure    # local settings: data source, power source, policy, training
+edge-agent add-samples PATH ...   # samples from files (npz, JSON lines, CSV, image folders)
+edge-agent predict [FILE]         # the served model's predictions for samples in FILE (or JSON lines on stdin)
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import time
 from pathlib import Path
 
 from edge_agent import __version__
+from edge_agent.api import Agent, NotReady
 from edge_agent.identity import STATE_FILE, AgentState, default_home, load_or_create_key
+from edge_agent.inbox import Inbox
+from edge_agent.sample_files import SampleError
 
 
 def _labels(pairs: list[str]) -> dict:
@@ -74,10 +79,22 @@ def cmd_run(args) -> int:
         print(error, file=sys.stderr)
         return 1
 
+    agent, inbox = Agent(args.home), Inbox(args.home)
+
+    def take_inbox() -> None:
+        if not (inbox.waiting() or any(inbox.taking.glob("*"))):
+            return
+        try:
+            agent.schema()
+        except NotReady:  # files wait until the first version tells the agent what samples look like
+            return
+        inbox.take(agent.add_file)
+
     async def train_forever(stop: asyncio.Event) -> None:
         interval = float(runtime.config.train_interval_seconds)
         while not stop.is_set():
             try:
+                await asyncio.to_thread(take_inbox)
                 outcome = await asyncio.to_thread(runtime.train_once)
                 logging.getLogger("edge_agent").info("training: %s (%s)", outcome["status"], outcome.get("reason"))
             except Exception:  # a failed pass is logged and retried at the next interval, never fatal
@@ -138,14 +155,25 @@ def cmd_export(args) -> int:
 
     from edge_agent.assignments import AdapterStore
     from edge_agent.lora import peft_config
+    from edge_agent.personal import PersonalStore
 
     current = AdapterStore(args.home).state().get("current")
     if not current or not current.get("training"):
         print("no adapter installed yet", file=sys.stderr)
         return 1
     training = current["training"]
+    tensors, what = load_file(current["path"]), f"{current['adapter']} v{current['version']}"
+    if args.personal:
+        store = PersonalStore(args.home)
+        state, tensors = store.state(), store.tensors()
+        if tensors is None or state.get("adapter") != current["adapter"]:
+            print(
+                "no personal model yet: it is made by the first training pass (edge-agent train-once)", file=sys.stderr
+            )
+            return 1
+        what = f"the personal model ({state.get('method')}) on {what}"
     args.directory.mkdir(parents=True, exist_ok=True)
-    save_file(load_file(current["path"]), str(args.directory / "adapter_model.safetensors"))
+    save_file(tensors, str(args.directory / "adapter_model.safetensors"))
     config = peft_config(
         rank=training["rank"],
         alpha=training["alpha"],
@@ -154,7 +182,45 @@ def cmd_export(args) -> int:
         modules_to_save=training.get("modules_to_save", []),
     )
     (args.directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    print(f"exported {current['adapter']} v{current['version']} to {args.directory}")
+    print(f"exported {what} to {args.directory}")
+    return 0
+
+
+def cmd_add_samples(args) -> int:
+    agent, failed = Agent(args.home), 0
+    for path in args.paths:
+        try:
+            added = agent.add_file(path)
+        except NotReady as error:
+            print(error, file=sys.stderr)
+            return 1
+        except (SampleError, OSError) as error:
+            print(f"{path}: refused, nothing stored: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: {added} samples stored")
+    return 1 if failed else 0
+
+
+def cmd_predict(args) -> int:
+    agent = Agent(args.home)
+    try:
+        if args.file and args.file != "-":
+            answer = agent.predict(Path(args.file))
+        else:
+            records = [json.loads(line) for line in sys.stdin if line.strip()]
+            if not records:
+                raise SampleError("no samples on standard input (one JSON object a line)")
+            answer = agent.predict({name: [r.get(name) for r in records] for name in records[0]})
+    except (NotReady, SampleError, OSError) as error:
+        print(f"cannot predict: {error}", file=sys.stderr)
+        return 1
+    except json.JSONDecodeError as error:
+        print(f"cannot predict: standard input is not JSON lines ({error})", file=sys.stderr)
+        return 1
+    about = {k: answer[k] for k in ("serving", "adapter", "version", "method")}
+    for label, probabilities in zip(answer["labels"], answer["probabilities"], strict=True):
+        print(json.dumps({"label": label, "probabilities": probabilities, **about}))
     return 0
 
 
@@ -241,7 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", help="write the installed adapter as a PEFT directory")
     export.add_argument("directory", type=Path)
+    export.add_argument("--personal", action="store_true", help="the device's own model, not the shared version")
     export.set_defaults(handler=cmd_export)
+
+    add = commands.add_parser("add-samples", help="store samples from files: npz, JSON lines, CSV, image folders")
+    add.add_argument("paths", nargs="+", type=Path)
+    add.set_defaults(handler=cmd_add_samples)
+
+    predict = commands.add_parser("predict", help="the served model's predictions, one JSON line a sample")
+    predict.add_argument("file", nargs="?", help="a sample file without labels; '-' or none: JSON lines on stdin")
+    predict.set_defaults(handler=cmd_predict)
 
     configure = commands.add_parser("configure", help="local settings (stored in <home>/settings.json)")
     configure.add_argument("--simulate-device", metavar="INDEX/TOTAL", help="demo data: this device's shard")

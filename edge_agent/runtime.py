@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from edge_agent.assignments import AdapterStore
+from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
 from edge_agent.identity import AgentState, atomic_write
-from edge_agent.lora_layers import adapter_tensors, apply_adapter
+from edge_agent.lora_layers import adapter_tensors
 from edge_agent.packaging import Outbox
 from edge_agent.personal import PersonalSettings, PersonalStore, derive, personalize, private_keys
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
@@ -140,19 +140,7 @@ class DeviceRuntime:
         return start + (-start % VAL_EVERY)
 
     def _model(self, training: dict, tensors: dict, base_sha: str):
-        family = get_family(training["family"])
-        base = family.build(training.get("family_config", {}))
-        base.load_state_dict(load_file(str(self.adapters.base_path(base_sha))), strict=True)
-        model = apply_adapter(
-            base,
-            {k: v.clone() for k, v in tensors.items()},
-            rank=training["rank"],
-            alpha=training["alpha"],
-            dropout=training.get("dropout", 0.0),
-            target_modules=training["target_modules"],
-            modules_to_save=training.get("modules_to_save", []),
-        )
-        return family, model
+        return get_family(training["family"]), build_model(training, tensors, self.adapters.base_path(base_sha))
 
     def evaluate_versions(self, previous: Path | None, candidate: Path, manifest: dict) -> dict:
         """Guard metrics for an assignment: the candidate on this device's local validation slice, and the

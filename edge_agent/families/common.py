@@ -6,12 +6,29 @@ A data set (or a batch) is a dict of tensors with the same first dimension: the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 LABEL = "y"
+
+
+@dataclass(frozen=True)
+class SampleField:
+    """One field of the samples a family takes from a device's application (``sample_fields``): its shape per
+    sample, its dtype (``float32``, ``int64`` or ``text``) and, for numbers, the inclusive range it must lie in."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    low: float | None = None
+    high: float | None = None
+
+    def describe(self) -> str:
+        bounds = f" in [{self.low:g}, {self.high:g}]" if self.low is not None and self.high is not None else ""
+        return f"{self.dtype} {list(self.shape)}{bounds}"
 
 
 def size(data: dict[str, torch.Tensor]) -> int:

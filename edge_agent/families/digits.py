@@ -14,7 +14,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.families.common import classification_evaluate, classification_loss, dirichlet_shards, take
+from edge_agent.families.common import (
+    SampleField,
+    classification_evaluate,
+    classification_loss,
+    dirichlet_shards,
+    take,
+)
 from edge_agent.families.digits_users import UserProfile, factory_split, profile_for, user_data
 
 __all__ = ["DigitsCNN", "DigitsNet", "dirichlet_shards", "evaluate", "load_split", "TEST_SIZE", "SPLIT_SEED"]
@@ -71,6 +77,20 @@ class DigitsCNN:
     name = "digits-cnn"
     default_targets = ("conv2", "fc1")
     default_modules_to_save = ("head",)
+    image_field = "x"  # image folders: one 8x8 grey image a sample
+
+    def sample_fields(self, config: dict[str, Any]) -> dict[str, SampleField]:
+        """What an application hands the agent: 8x8 images scaled to [0, 1] (ink bright, as in scikit-learn's
+        digits) and the digit."""
+        return {"x": SampleField((1, 8, 8), "float32", 0.0, 1.0), "y": SampleField((), "int64", 0, 9)}
+
+    def encode_samples(self, fields: dict, config: dict[str, Any]) -> dict:
+        return fields  # the fields are the model's inputs already
+
+    def image_sample(self, image) -> np.ndarray:
+        """A PIL image as the ``x`` of one sample: grey, 8x8, [0, 1], ink bright (a light page is inverted)."""
+        grey = np.asarray(image.convert("L").resize((8, 8)), dtype=np.float32) / 255.0
+        return (1.0 - grey if grey.mean() > 0.5 else grey)[None, :, :]
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         torch.manual_seed(int(config.get("seed", 0)))

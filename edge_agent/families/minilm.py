@@ -14,10 +14,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.families.common import classification_evaluate, classification_loss
+from edge_agent.families.common import SampleField, classification_evaluate, classification_loss
 
 NUM_LAYERS = 6
 HIDDEN = 384
@@ -120,6 +121,16 @@ class MiniLMText:
     name = "minilm-text"
     default_targets = attention_targets()
     default_modules_to_save = ("head",)
+
+    def sample_fields(self, config: dict[str, Any]) -> dict[str, SampleField]:
+        """What an application hands the agent: a text and its class (``num_classes``, default the toy topics)."""
+        classes = int(config.get("num_classes", len(TOPICS)))
+        return {"text": SampleField((), "text"), "y": SampleField((), "int64", 0, classes - 1)}
+
+    def encode_samples(self, fields: dict, config: dict[str, Any]) -> dict:
+        """Texts as the model's inputs (token ids and mask, ``max_length`` tokens), labels as they are."""
+        encoded = tokenize([str(t) for t in fields["text"]], max_length=int(config.get("max_length", 32)))
+        return {key: value.numpy() for key, value in encoded.items()} | {"y": np.asarray(fields["y"])}
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         """The pretrained encoder (always the package's weights) and a head initialised from ``seed``."""
