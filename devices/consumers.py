@@ -23,6 +23,7 @@ from devices import presence
 from devices.errors import DeviceAuthFailed
 from devices.identity import device_verify, ensure_may_sync, new_nonce
 from devices.models import Device, DeviceEvent
+from devices.personalization import personal_report_record
 from edge_agent.protocol import (
     HELLO_TIMEOUT_SECONDS,
     MAX_BINARY_MESSAGE_BYTES,
@@ -103,6 +104,9 @@ def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> d
         assignment_for_newcomer(device=device)
         return None
     return assignment_message(assignment)
+
+
+_personal_record = _socket_db(personal_report_record)
 
 
 @_socket_db
@@ -233,11 +237,23 @@ class AgentConsumer(AsyncWebsocketConsumer):
             state = presence.parse_heartbeat(message)
         except ValueError as exc:
             raise Refused(CloseCode.MALFORMED, "malformed", f"heartbeat: {exc}") from None
+        personal_is_new = False
         try:
-            await presence.record_heartbeat(self.device_id, state)
+            personal_is_new = await presence.record_heartbeat(self.device_id, state)
         except Exception:  # Redis away for a moment: keep the socket; the next heartbeat records it
             logger.warning("could not record a heartbeat of %s", self.device_id, exc_info=True)
         await self.send(encode(MessageType.HEARTBEAT_ACK, seq=message["seq"], server_time=time.time()))
+        if personal_is_new:
+            await self.on_personal(state["personal"])
+
+    async def on_personal(self, personal: dict) -> None:
+        """A new personal measurement: stored on a database thread (only this, not every heartbeat, goes
+        there), then noted in Redis; on a failure nothing is noted, and the next heartbeat tries again."""
+        try:
+            await _personal_record(device_id=self.device_id, personal=personal)
+            await presence.mark_personal(self.device_id, personal["updated_at"])
+        except Exception:
+            logger.warning("could not record a personal measurement of %s", self.device_id, exc_info=True)
 
     async def on_delta(self, kind: str, message: dict) -> None:
         """Resumable delta upload (``training.intake``): every step answers with where the upload stands."""

@@ -163,3 +163,55 @@ class ServerKeyRotation(models.Model):
 
     def as_link(self) -> dict:
         return {"statement": self.statement, "signature": self.signature, "new_signature": self.new_signature}
+
+
+class PersonalizationReport(models.Model):
+    """One measurement of a device's own model against the shared version it runs, from its heartbeat.
+
+    The device trains a personal model on its own data (never uploaded) and measures both on a held-out slice
+    of its local data; ``measured_at`` is when it measured (the heartbeat's ``personal.updated_at``), so the
+    heartbeats that repeat one measurement store one row (``UNIQUE(device, measured_at)``). ``latest`` marks
+    each device's newest report per adapter: the fleet's figures are read from those rows alone. A device
+    keeps at most ``PERSONALIZATION_HISTORY`` rows; older ones are deleted (``devices.personalization``).
+    """
+
+    class Serving(models.TextChoices):
+        PERSONAL = "personal"
+        SHARED = "shared"
+
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="personalization_reports")
+    adapter = models.ForeignKey(
+        "training.Adapter", on_delete=models.CASCADE, null=True, blank=True, related_name="personalization_reports"
+    )
+    adapter_name = models.CharField(max_length=64)
+    version_number = models.PositiveIntegerField(help_text="the shared version installed and measured")
+    method = models.CharField(max_length=16)
+    serving = models.CharField(max_length=8, choices=Serving.choices, help_text="the model the device serves")
+    shared_accuracy = models.FloatField()
+    personal_accuracy = models.FloatField()
+    val_samples = models.PositiveIntegerField()
+    trained_samples = models.PositiveIntegerField()
+    measured_at = models.DateTimeField()
+    received_at = models.DateTimeField(default=timezone.now)
+    latest = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["-measured_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["device", "measured_at"], name="one_personal_report_per_measurement"),
+            models.UniqueConstraint(
+                fields=["device", "adapter_name"], condition=Q(latest=True), name="one_latest_personal_report"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["device", "-measured_at", "-id"], name="personal_report_history_idx"),
+            models.Index(fields=["adapter"], condition=Q(latest=True), name="personal_report_latest_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.adapter_name} v{self.version_number} on {self.device_id}: {self.gain_points:+.1f} points"
+
+    @property
+    def gain_points(self) -> float:
+        """What the personal model gains over the shared one, in accuracy points."""
+        return round((self.personal_accuracy - self.shared_accuracy) * 100, 9)

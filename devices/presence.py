@@ -11,6 +11,11 @@ Keys (all under REDIS_PREFIX):
     presence:gone   ZSET device_id -> clean disconnect time
     presence:state  HASH device_id -> JSON of the last heartbeat's power/memory/metrics
     presence:conn   HASH device_id -> channel name of its current socket (for pushes)
+    presence:personal HASH device_id -> ``updated_at`` of its last stored personal measurement
+
+A heartbeat's ``personal`` object (its own model against the shared one) is stored only when it is a new
+measurement: the heartbeat's pipeline reads the last stored ``updated_at`` beside its writes, and only a newer
+one goes to the database (``devices.personalization``), after which ``mark_personal`` notes it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from devices.models import Device, DeviceEvent
+from devices.personalization import parse_personal
 
 
 def key(name: str) -> str:
@@ -107,27 +113,62 @@ def parse_heartbeat(message: dict) -> dict:
     for name, value in metrics.items():
         if len(name) > 64 or not _finite(value):
             raise ValueError(f"metric {name[:64]!r} must be a finite number with a name under 64 characters")
-    return {"battery": battery, "charging": charging, "free_memory_mb": free_memory, "metrics": metrics}
+    personal = parse_personal(message.get("personal"))
+    return {
+        "battery": battery,
+        "charging": charging,
+        "free_memory_mb": free_memory,
+        "metrics": metrics,
+        "personal": personal,
+    }
 
 
 def _finite(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-async def record_heartbeat(device_id: str, state: dict) -> None:
+def _heartbeat_pipeline(pipe, device_id: str, state: dict) -> None:
+    pipe.zadd(key("seen"), {device_id: time.time()})
+    stored = {name: value for name, value in state.items() if name != "personal"}
+    pipe.hset(key("state"), device_id, json.dumps(stored, separators=(",", ":")))
+    pipe.hget(key("personal"), device_id)
+
+
+def _personal_is_new(state: dict, last: bytes | None) -> bool:
+    personal = state.get("personal")
+    if personal is None:
+        return False
+    try:
+        return last is None or personal["updated_at"] > float(last)
+    except ValueError:  # not a number: written by something else; the database decides
+        return True
+
+
+async def record_heartbeat(device_id: str, state: dict) -> bool:
+    """Record a heartbeat (from ``parse_heartbeat``); True when it carries a personal measurement newer than
+    the last one stored, which the caller then stores (``devices.personalization``)."""
     client = async_client()
     async with client.pipeline(transaction=False) as pipe:
-        pipe.zadd(key("seen"), {device_id: time.time()})
-        pipe.hset(key("state"), device_id, json.dumps(state, separators=(",", ":")))
-        await pipe.execute()
+        _heartbeat_pipeline(pipe, device_id, state)
+        *_, last = await pipe.execute()
+    return _personal_is_new(state, last)
 
 
-def record_heartbeat_sync(device_id: str, state: dict) -> None:
+def record_heartbeat_sync(device_id: str, state: dict) -> bool:
     """The same as ``record_heartbeat``, for devices that report over REST instead of a socket."""
     pipe = sync_client().pipeline(transaction=False)
-    pipe.zadd(key("seen"), {device_id: time.time()})
-    pipe.hset(key("state"), device_id, json.dumps(state, separators=(",", ":")))
-    pipe.execute()
+    _heartbeat_pipeline(pipe, device_id, state)
+    *_, last = pipe.execute()
+    return _personal_is_new(state, last)
+
+
+async def mark_personal(device_id: str, updated_at: float) -> None:
+    """Note the ``updated_at`` of the measurement just stored, so heartbeats repeating it stop at Redis."""
+    await async_client().hset(key("personal"), device_id, repr(updated_at))
+
+
+def mark_personal_sync(device_id: str, updated_at: float) -> None:
+    sync_client().hset(key("personal"), device_id, repr(updated_at))
 
 
 # Remove the connection entry only if it still names this socket (a newer socket may have replaced it).

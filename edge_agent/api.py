@@ -27,7 +27,7 @@ from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
 from edge_agent.families.common import LABEL
 from edge_agent.identity import default_home
-from edge_agent.personal import PersonalStore
+from edge_agent.personal import PersonalSettings, PersonalStore, derive
 from edge_agent.sample_files import check, encode, read_samples
 from edge_agent.samples import SampleStore
 
@@ -98,6 +98,9 @@ class Agent:
         if mine:
             tensors = self.personal.tensors()
             serving = "personal" if tensors is not None else "shared"
+            if tensors is not None and personal.get("method") == "private_modules":  # on the installed body
+                settings = PersonalSettings.from_training(current["training"])
+                tensors = derive(load_file(current["path"]), tensors, settings)
         if tensors is None:
             tensors = load_file(current["path"])
         model = build_model(current["training"], tensors, self.adapters.base_path(state["base_model_sha256"]))

@@ -144,7 +144,9 @@ class DeviceRuntime:
 
     def evaluate_versions(self, previous: Path | None, candidate: Path, manifest: dict) -> dict:
         """Guard metrics for an assignment: the candidate on this device's local validation slice, and the
-        change against the version it replaces (when there is one and it was trained the same way)."""
+        change against the version it replaces (when there is one and it was trained the same way); with a
+        personal model, that model as the candidate would carry it (``personal_accuracy``, ``personal_gain``
+        against ``shared_accuracy``), so rollout guards can hold a version that leaves personal models worse."""
         training = manifest.get("training")
         if not training:
             return {}
@@ -170,6 +172,14 @@ class DeviceRuntime:
         for name in [k for k in metrics if not k.startswith("previous_")]:
             if f"previous_{name}" in metrics:
                 metrics[f"{name}_change"] = round(metrics[name] - metrics[f"previous_{name}"], 6)
+        settings = PersonalSettings.from_training(training)
+        mine = self.personal.tensors() if self.personal.state().get("adapter") == manifest.get("adapter") else None
+        if settings.method != "none" and mine is not None and "val_accuracy" in metrics:
+            tensors = derive(load_file(str(candidate)), mine, settings)
+            _, model = self._model(training, tensors, manifest["base_model_sha256"])
+            personal = round(float(family.evaluate(model.eval(), val)["accuracy"]), 6)
+            metrics |= {"shared_accuracy": metrics["val_accuracy"], "personal_accuracy": personal,
+                        "personal_gain": round(personal - metrics["val_accuracy"], 6)}  # fmt: skip
         return metrics
 
     def _pass_samples(self, current: dict) -> int:

@@ -347,6 +347,9 @@ LOGGING = {
 HEARTBEAT_INTERVAL_SECONDS = env_int("HEARTBEAT_INTERVAL_SECONDS", 30, minimum=1)
 DEVICE_OFFLINE_AFTER_SECONDS = env_int("DEVICE_OFFLINE_AFTER_SECONDS", 95, minimum=2)
 PRESENCE_FLUSH_SECONDS = env_int("PRESENCE_FLUSH_SECONDS", 10, minimum=1)
+# Each device keeps at most this many personalization reports (its personal against the shared accuracy);
+# older ones are deleted as new ones arrive (devices.personalization).
+PERSONALIZATION_HISTORY = env_int("PERSONALIZATION_HISTORY", 200, minimum=1, maximum=100_000)
 DEVICE_TOKEN_TTL_SECONDS = env_int("DEVICE_TOKEN_TTL_SECONDS", 900, minimum=30)
 ENROLLMENT_RATE = env_str("ENROLLMENT_RATE", "30/min")
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, minimum=1)

@@ -105,6 +105,7 @@ class World:
             },
             ("adapter-seed", "post"): {"seed": 7},
             ("adapter-aggregation", "put"): {"aggregation": {"strategy": "median"}},
+            ("adapter-personalization", "put"): {"personalization": {"method": "finetune"}},
             ("rollout-list", "post"): {
                 "version": self.candidate.pk,
                 "cohort": self.cohort.name,

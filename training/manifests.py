@@ -7,6 +7,7 @@ import time
 from edge_agent.manifest import PURPOSE
 from edge_agent.protocol import sign
 from fleet.server_key import key_rotations, server_private_key
+from training.personalization_settings import personalization_settings
 
 MANIFEST_LIFETIME_SECONDS = 7 * 24 * 3600
 
@@ -25,6 +26,8 @@ def training_config(adapter) -> dict:
         "target_modules": adapter.target_modules,
         "modules_to_save": adapter.modules_to_save,
         "ffa": bool(settings_["ffa"] or settings_["strategy"] == "ffa_lora"),
+        # How the device makes its own model beside the shared one (every setting, defaults resolved).
+        "personalization": personalization_settings(adapter),
     }
 
 

@@ -50,6 +50,8 @@ class Adapter(models.Model):
     # reads it, and the epsilon it gives (at dp["delta"]). Written only by a completed DP round.
     dp_history = models.JSONField(default=list, blank=True)
     dp_epsilon = models.FloatField(default=0.0)
+    # How each device makes its own model (training.personalization_settings): only what an operator set.
+    personalization = models.JSONField(default=dict, blank=True, help_text="personal model method and training")
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
 

@@ -22,6 +22,7 @@ from fleet.api.errors import ApiError
 from training.artifacts import ArtifactRejected, load_checked
 from training.blobs import blob_put_bytes, blob_read
 from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
+from training.personalization_settings import validate_personalization
 
 MAX_ARTIFACT_BYTES = 512 * 1024 * 1024
 
@@ -98,11 +99,13 @@ def adapter_create(
     modules_to_save: list[str] | None = None,
     cohorts=(),
     aggregation: dict | None = None,
+    personalization: dict | None = None,
     actor=None,
 ) -> Adapter:
     family = _family(base_model.family)
     targets = list(target_modules or family.default_targets)
     to_save = list(family.default_modules_to_save if modules_to_save is None else modules_to_save)
+    personalization = _personalization_checked(personalization or {}, modules=[*targets, *to_save])
     try:
         spec = tensor_spec(build_base(base_model), rank=rank, target_modules=targets, modules_to_save=to_save)
     except ValueError as exc:
@@ -117,6 +120,7 @@ def adapter_create(
         modules_to_save=to_save,
         tensor_spec={key: value.as_json() for key, value in spec.items()},
         aggregation=aggregation or {"strategy": "fedavg"},
+        personalization=personalization,
         created_by=actor,
     )
     adapter.cohorts.set(cohorts)
@@ -254,5 +258,31 @@ def adapter_set_aggregation(*, adapter: Adapter, actor, aggregation: dict | None
     if changes:
         Adapter.objects.filter(pk=adapter.pk).update(**changes)
         _record("adapter.aggregation_changed", actor=actor, adapter=adapter, **changes)
+    adapter.refresh_from_db()
+    return adapter
+
+
+def _personalization_checked(values, *, modules: list[str]) -> dict:
+    """The setting to store, or a 400 shaped as a field error of ``personalization`` (as the API's own)."""
+    try:
+        return validate_personalization(values, modules=modules)
+    except ValueError as exc:
+        raise ApiError(
+            "invalid", "The request has invalid fields.", status_code=400, details={"personalization": [str(exc)]}
+        ) from None
+
+
+@transaction.atomic
+def adapter_set_personalization(*, adapter: Adapter, actor, personalization: dict) -> Adapter:
+    """Replace an adapter's personalization setting (what is left out takes the defaults). Manifests signed
+    from now on carry it; devices already running a version get it with their next assignment."""
+    adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+    stored = _personalization_checked(personalization, modules=[*adapter.target_modules, *adapter.modules_to_save])
+    if stored != adapter.personalization:
+        previous = adapter.personalization
+        Adapter.objects.filter(pk=adapter.pk).update(personalization=stored)
+        _record(
+            "adapter.personalization_changed", actor=actor, adapter=adapter, personalization=stored, previous=previous
+        )
     adapter.refresh_from_db()
     return adapter

@@ -2,9 +2,11 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken
+from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken, PersonalizationReport
+from devices.personalization import EARLIEST_MEASUREMENT, MAX_SAMPLES, SERVING
 from devices.presence import MAX_METRICS
 from fleet.api.serializers import StrictTypesMixin
+from training.personalization_settings import METHODS
 
 
 class CohortSerializer(StrictTypesMixin, serializers.ModelSerializer):
@@ -209,6 +211,21 @@ class HeartbeatMetricsField(serializers.DictField):
     child = serializers.FloatField()
 
 
+# Documents what devices.personalization.parse_personal reads.
+class HeartbeatPersonalSerializer(serializers.Serializer):
+    adapter = serializers.RegexField(r"^[-a-zA-Z0-9_]{1,64}$", max_length=64)
+    version = serializers.IntegerField(min_value=1, max_value=2**31 - 1, help_text="the shared version measured")
+    method = serializers.ChoiceField(choices=METHODS)
+    serving = serializers.ChoiceField(choices=SERVING, help_text="the model the device serves")
+    shared_accuracy = serializers.FloatField(min_value=0, max_value=1)
+    personal_accuracy = serializers.FloatField(min_value=0, max_value=1)
+    val_samples = serializers.IntegerField(min_value=0, max_value=MAX_SAMPLES)
+    trained_samples = serializers.IntegerField(min_value=0, max_value=MAX_SAMPLES)
+    updated_at = serializers.FloatField(
+        min_value=EARLIEST_MEASUREMENT, help_text="when it was measured, epoch seconds; at most a day ahead"
+    )
+
+
 # Documents the body devices.presence.parse_heartbeat reads (the socket's heartbeat has the same fields).
 class DeviceHeartbeatSerializer(serializers.Serializer):
     seq = serializers.IntegerField(min_value=0)
@@ -218,3 +235,33 @@ class DeviceHeartbeatSerializer(serializers.Serializer):
     metrics = HeartbeatMetricsField(
         required=False, allow_null=True, help_text="Metric names (at most 64 characters) to finite numbers."
     )
+    personal = HeartbeatPersonalSerializer(
+        required=False,
+        allow_null=True,
+        help_text="The device's own model against the shared version, on its held-out local data; a new "
+        "measurement (a newer updated_at) is stored once.",
+    )
+
+
+class PersonalizationReportSerializer(serializers.ModelSerializer):
+    adapter = serializers.CharField(source="adapter_name")
+    version = serializers.IntegerField(source="version_number", help_text="the shared version measured")
+    gain_points = serializers.FloatField(help_text="personal minus shared accuracy, in points")
+
+    class Meta:
+        model = PersonalizationReport
+        fields = [
+            "id",
+            "adapter",
+            "version",
+            "method",
+            "serving",
+            "shared_accuracy",
+            "personal_accuracy",
+            "gain_points",
+            "val_samples",
+            "trained_samples",
+            "measured_at",
+            "received_at",
+        ]
+        read_only_fields = fields

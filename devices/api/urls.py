@@ -2,6 +2,7 @@ from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from devices.api import views
+from devices.api.personalization_views import DevicePersonalizationView
 
 router = SimpleRouter()
 router.register("cohorts", views.CohortViewSet, basename="cohort")
@@ -14,5 +15,6 @@ urlpatterns = [
     path("device-auth/token/", views.DeviceTokenView.as_view(), name="device-token"),
     path("device/", views.DeviceSelfView.as_view(), name="device-self"),
     path("device/heartbeat/", views.DeviceHeartbeatView.as_view(), name="device-heartbeat"),
+    path("devices/<uuid:pk>/personalization/", DevicePersonalizationView.as_view(), name="device-personalization"),
     *router.urls,
 ]

@@ -37,9 +37,11 @@ RULES_BEYOND_THE_SCHEMA = {
     "POST /api/v1/adapters/": "base_model, cohorts and target modules must exist; aggregation settings valid together",
     "POST /api/v1/adapters/{id}/versions/import/": "adapter_model must be a safetensors file matching the adapter",
     "PUT /api/v1/adapters/{id}/aggregation/": "settings depend on each other (min_deltas ≤ buffer_size, ...)",
+    "PUT /api/v1/adapters/{id}/personalization/": "private_modules must be the adapter's own modules",
     "POST /api/v1/rollouts/": "version and cohort must exist; phase percents must rise",
     "POST /api/v1/rounds/": "adapter must name an existing adapter with a version",
-    "POST /api/v1/device/heartbeat/": "metric names are at most 64 characters (OpenAPI 3.0 cannot bound key length)",
+    "POST /api/v1/device/heartbeat/": "metric names are at most 64 characters (OpenAPI 3.0 cannot bound key length); "
+    "personal.updated_at at most a day ahead of the server's clock",
     "POST /api/v1/device/assignments/{assignment_id}/report/": "the same rule for metric names",
 }
 

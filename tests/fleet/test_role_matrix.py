@@ -71,6 +71,8 @@ ENDPOINTS = [
     ("post", "/api/v1/rounds/", "operator", {"adapter": "no-such-adapter"}),
     ("post", "/api/v1/rounds/999999/close/", "operator", None),
     ("put", "/api/v1/adapters/999999/aggregation/", "operator", {"aggregation": {"strategy": "median"}}),
+    ("get", "/api/v1/adapters/999999/personalization/", "viewer", None),
+    ("put", "/api/v1/adapters/999999/personalization/", "operator", {"personalization": {"method": "none"}}),
     ("get", "/api/v1/users/", "admin", None),
     ("post", "/api/v1/users/", "admin", {"username": "newbie", "role": "viewer"}),
 ]

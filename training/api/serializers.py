@@ -4,7 +4,9 @@ from rest_framework import serializers
 from devices.models import Cohort
 from fleet.api.serializers import JsonObjectField, StrictTypesMixin
 from training.aggregation_settings import AGGREGATION_HELP, validate_aggregation
+from training.api.personalization_serializers import PersonalizationField
 from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
+from training.personalization_settings import PERSONALIZATION_HELP
 
 
 class BaseModelSerializer(serializers.ModelSerializer):
@@ -61,6 +63,7 @@ class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
     target_modules = ModuleNamesField(required=False, help_text="Omit for the family's default targets.")
     modules_to_save = ModuleNamesField(required=False, help_text="Omit for the family's default.")
     aggregation = JsonObjectField(required=False, help_text=AGGREGATION_HELP)
+    personalization = PersonalizationField(required=False, help_text=PERSONALIZATION_HELP)
     latest_version = serializers.SerializerMethodField()
 
     class Meta:
@@ -77,6 +80,7 @@ class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "modules_to_save",
             "tensor_spec",
             "aggregation",
+            "personalization",
             "created_at",
             "latest_version",
         ]

@@ -4,6 +4,7 @@ from rest_framework.routers import SimpleRouter
 from training.api import views
 from training.api.delta_views import AdapterAggregationView, DeltaViewSet, DeviceDeltaView, RoundViewSet
 from training.api.device_views import DeviceBlobView
+from training.api.personalization_views import AdapterPersonalizationView
 from training.api.rollout_views import DeviceAssignmentReportView, DeviceAssignmentView, RolloutViewSet
 
 router = SimpleRouter()
@@ -18,6 +19,7 @@ urlpatterns = [
     path("device/blobs/<str:sha256>/", DeviceBlobView.as_view(), name="device-blob"),
     path("device/deltas/<str:sha256>/", DeviceDeltaView.as_view(), name="device-delta"),
     path("adapters/<int:pk>/aggregation/", AdapterAggregationView.as_view(), name="adapter-aggregation"),
+    path("adapters/<int:pk>/personalization/", AdapterPersonalizationView.as_view(), name="adapter-personalization"),
     path("device/assignment/", DeviceAssignmentView.as_view(), name="device-assignment"),
     path(
         "device/assignments/<int:assignment_id>/report/",

@@ -94,6 +94,7 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
             modules_to_save=fields.get("modules_to_save"),
             cohorts=fields.get("cohorts", []),
             aggregation=fields.get("aggregation"),
+            personalization=fields.get("personalization"),
             actor=request.user,
         )
         return Response(AdapterSerializer(self.get_queryset().get(pk=adapter.pk)).data, status=status.HTTP_201_CREATED)

@@ -1,0 +1,123 @@
+"""What devices say about their own models: the heartbeat's ``personal`` object, checked and stored.
+
+A device trains a personal model beside the shared version (how: the adapter's personalization setting,
+signed into its manifest) and measures both on a held-out slice of its own data. Its heartbeat carries the
+latest measurement (edge_agent/PROTOCOL.md, "Personal figures"); heartbeats repeat it until the next one, so
+only a measurement newer than the device's last stored one is written (``devices.presence`` answers that from
+Redis on the heartbeat's own round trip; this module checks again in the database). Each device keeps at most
+``PERSONALIZATION_HISTORY`` reports.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from datetime import UTC, datetime
+
+from django.conf import settings
+from django.db import transaction
+
+from devices.models import Device, PersonalizationReport
+from frontend.live import LiveEvent, publish
+from training.models import Adapter
+from training.personalization_settings import METHODS
+
+SERVING = ("personal", "shared")
+MAX_SAMPLES = 10**9
+# A measurement time before this (2000-01-01) or further ahead of the server's clock than this is refused: a
+# device with its clock far ahead would otherwise hide every later measurement behind that one.
+EARLIEST_MEASUREMENT = 946684800.0
+MAX_CLOCK_AHEAD_SECONDS = 86400
+_ADAPTER_NAME = re.compile(r"^[-a-zA-Z0-9_]{1,64}$")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_personal(value, *, now: float | None = None) -> dict | None:
+    """A heartbeat's ``personal`` object, checked field by field (ValueError naming the bad one); None when
+    the heartbeat has none. Fields other than the documented ones are ignored, as in the rest of a heartbeat."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("personal must be an object, or null")
+    adapter = value.get("adapter")
+    if not isinstance(adapter, str) or not _ADAPTER_NAME.match(adapter):
+        raise ValueError("personal.adapter must be an adapter name (letters, digits, - and _, at most 64)")
+    version = value.get("version")
+    if not _whole(version) or not 1 <= version <= 2**31 - 1:
+        raise ValueError("personal.version must be a version number (a whole number from 1)")
+    if value.get("method") not in METHODS:
+        raise ValueError(f"personal.method must be one of {', '.join(METHODS)}")
+    if value.get("serving") not in SERVING:
+        raise ValueError('personal.serving must be "personal" or "shared"')
+    for name in ("shared_accuracy", "personal_accuracy"):
+        if not _finite(value.get(name)) or not 0 <= value[name] <= 1:
+            raise ValueError(f"personal.{name} must be a number from 0 to 1")
+    for name in ("val_samples", "trained_samples"):
+        if not _whole(value.get(name)) or not 0 <= value[name] <= MAX_SAMPLES:
+            raise ValueError(f"personal.{name} must be a whole number from 0 to {MAX_SAMPLES}")
+    updated_at = value.get("updated_at")
+    latest = (time.time() if now is None else now) + MAX_CLOCK_AHEAD_SECONDS
+    if not _finite(updated_at) or not EARLIEST_MEASUREMENT <= updated_at <= latest:
+        raise ValueError("personal.updated_at must be the measurement's time in epoch seconds, not in the future")
+    return {
+        "adapter": adapter,
+        "version": version,
+        "method": value["method"],
+        "serving": value["serving"],
+        "shared_accuracy": float(value["shared_accuracy"]),
+        "personal_accuracy": float(value["personal_accuracy"]),
+        "val_samples": value["val_samples"],
+        "trained_samples": value["trained_samples"],
+        "updated_at": float(updated_at),
+    }
+
+
+def personal_report_record(*, device_id, personal: dict) -> PersonalizationReport | None:
+    """Store a device's measurement (from ``parse_personal``) unless it is not newer than the last one stored;
+    keep the device's newest ``PERSONALIZATION_HISTORY`` reports. Returns the new report, or None."""
+    measured_at = datetime.fromtimestamp(personal["updated_at"], tz=UTC)
+    with transaction.atomic():
+        # One writer per device at a time (a REST heartbeat beside the socket's), so ``latest`` stays unique.
+        if not list(Device.objects.select_for_update(no_key=True).filter(pk=device_id).values_list("pk", flat=True)):
+            return None
+        reports = PersonalizationReport.objects.filter(device_id=device_id)
+        if reports.filter(measured_at__gte=measured_at).exists():
+            return None
+        reports.filter(adapter_name=personal["adapter"], latest=True).update(latest=False)
+        report = PersonalizationReport.objects.create(
+            device_id=device_id,
+            adapter_id=Adapter.objects.filter(name=personal["adapter"]).values_list("pk", flat=True).first(),
+            adapter_name=personal["adapter"],
+            version_number=personal["version"],
+            method=personal["method"],
+            serving=personal["serving"],
+            shared_accuracy=personal["shared_accuracy"],
+            personal_accuracy=personal["personal_accuracy"],
+            val_samples=personal["val_samples"],
+            trained_samples=personal["trained_samples"],
+            measured_at=measured_at,
+            latest=True,
+        )
+        keep = settings.PERSONALIZATION_HISTORY
+        oldest_kept = reports.order_by("-measured_at", "-id").values_list("measured_at", flat=True)[keep - 1 : keep]
+        reports.filter(measured_at__lt=oldest_kept).delete()
+        transaction.on_commit(lambda: publish(LiveEvent(kind="device.personalization", data=_event(report))))
+    return report
+
+
+def _event(report: PersonalizationReport) -> dict:
+    return {
+        "device": str(report.device_id),
+        "adapter": report.adapter_name,
+        "version": report.version_number,
+        "serving": report.serving,
+        "gain_points": report.gain_points,
+    }

@@ -1,0 +1,103 @@
+"""Reads of the devices' personalization reports: one device's history, and the fleet's figures per adapter.
+
+The fleet's figures come from each device's latest report for the adapter (``PersonalizationReport.latest``,
+one indexed read whatever the history holds), of devices that are not retired. Gains are in accuracy points
+(personal minus shared, times 100): a device gains above 0 and is not worse at -0.5 points or more.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from django.db.models import QuerySet
+
+from devices.models import DeviceStatus, PersonalizationReport
+
+NOT_WORSE_POINTS = -0.5  # a device this close to the shared model (or better) lost nothing that matters
+GAIN_BIN_POINTS = 5
+GAIN_RANGE_POINTS = (-20, 50)  # gains outside fall in the first or last bin
+
+
+def device_history(device_id) -> QuerySet:
+    """A device's reports, newest first (at most PERSONALIZATION_HISTORY of them)."""
+    return PersonalizationReport.objects.filter(device_id=device_id).order_by("-measured_at", "-id")
+
+
+@dataclass(frozen=True)
+class Latest:
+    """One device's latest report for an adapter, as the fleet's figures read it."""
+
+    cohort: str
+    method: str
+    serving: str
+    shared_accuracy: float
+    personal_accuracy: float
+
+    @property
+    def gain_points(self) -> float:
+        return round((self.personal_accuracy - self.shared_accuracy) * 100, 9)
+
+
+def latest_reports(*, adapter_id: int | None = None) -> list[Latest]:
+    """Each non-retired device's latest report (for one adapter, or for every adapter), with its cohort."""
+    rows = PersonalizationReport.objects.filter(latest=True).exclude(device__status=DeviceStatus.RETIRED)
+    if adapter_id is not None:
+        rows = rows.filter(adapter_id=adapter_id)
+    fields = ("device__cohort__name", "method", "serving", "shared_accuracy", "personal_accuracy")
+    return [Latest(*row) for row in rows.order_by().values_list(*fields)]
+
+
+def gain_bins() -> list[tuple[int, int]]:
+    low, high = GAIN_RANGE_POINTS
+    return [(start, start + GAIN_BIN_POINTS) for start in range(low, high, GAIN_BIN_POINTS)]
+
+
+def _bin_of(points: float, bins: list[tuple[int, int]]) -> int:
+    index = int((points - bins[0][0]) // GAIN_BIN_POINTS)
+    return min(max(index, 0), len(bins) - 1)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 6) if values else None
+
+
+def _share(count: int, total: int) -> float | None:
+    return round(count / total, 6) if total else None
+
+
+def summarize(reports: Iterable[Latest]) -> dict:
+    """The figures of a set of devices' latest reports (the adapter endpoint's ``fleet`` and each cohort's)."""
+    reports = list(reports)
+    gains = [report.gain_points for report in reports]
+    bins = gain_bins()
+    counts = Counter(_bin_of(points, bins) for points in gains)
+    serving = Counter(report.serving for report in reports)
+    gaining = sum(points > 0 for points in gains)
+    not_worse = sum(points >= NOT_WORSE_POINTS for points in gains)
+    return {
+        "devices": len(reports),
+        "mean_shared_accuracy": _mean([report.shared_accuracy for report in reports]),
+        "mean_personal_accuracy": _mean([report.personal_accuracy for report in reports]),
+        "mean_gain_points": _mean(gains),
+        "devices_gaining": gaining,
+        "share_gaining": _share(gaining, len(reports)),
+        "devices_not_worse": not_worse,
+        "share_not_worse": _share(not_worse, len(reports)),
+        "serving": {"personal": serving["personal"], "shared": serving["shared"]},
+        "methods": dict(sorted(Counter(report.method for report in reports).items())),
+        "histogram": [{"low": low, "high": high, "devices": counts[index]} for index, (low, high) in enumerate(bins)],
+    }
+
+
+def adapter_personalization(adapter_id: int) -> dict:
+    """The fleet's figures for one adapter, and the same per cohort (by name)."""
+    reports = latest_reports(adapter_id=adapter_id)
+    by_cohort: dict[str, list[Latest]] = {}
+    for report in reports:
+        by_cohort.setdefault(report.cohort, []).append(report)
+    return {
+        "fleet": summarize(reports),
+        "cohorts": [{"cohort": name, **summarize(rows)} for name, rows in sorted(by_cohort.items())],
+    }
