@@ -1,6 +1,7 @@
 from celery import shared_task
 
 from devices import presence
+from devices.models import Device
 from frontend.live import LiveEvent, publish
 
 # Above this many transitions in one flush, the dashboard gets one summary instead of an event each.
@@ -24,7 +25,9 @@ def flush_presence() -> dict:
                 },
             )
         )
-    else:
+    elif transitions:
+        ids = {device_id for _, device_id in transitions}
+        names = {str(pk): name for pk, name in Device.objects.filter(pk__in=ids).values_list("pk", "name")}
         for kind, device_id in transitions:
-            publish(LiveEvent(kind=kind, data={"device": device_id}))
+            publish(LiveEvent(kind=kind, data={"device": device_id, "name": names.get(str(device_id))}))
     return {"online": result.seen, "came_online": len(result.came_online), "went_offline": len(result.went_offline)}

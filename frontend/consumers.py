@@ -34,4 +34,12 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def live_event(self, message):
         if not has_role(self.user, message["min_role"]):
             return
-        await self.send_json({"kind": message["kind"], "data": message["data"], "at": message["at"]})
+        await self.send_json(
+            {
+                "kind": message["kind"],
+                "data": message["data"],
+                "at": message["at"],
+                "text": message.get("text", ""),
+                "url": message.get("url", ""),
+            }
+        )

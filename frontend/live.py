@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from accounts.roles import Role
 from fleet.async_bridge import run_async
+from frontend.event_text import live_event, live_link
 
 DASHBOARD_GROUP = "dashboard"
 logger = logging.getLogger(__name__)
@@ -23,16 +24,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LiveEvent:
+    """``text`` (what happened, in words) and ``url`` (the page it is about) are made from ``kind`` and
+    ``data`` when not given (``frontend.event_text``); ``at`` is in UTC, as every time the dashboard shows."""
+
     kind: str  # e.g. "device.online", "delta.verified", "round.progress"
     data: dict[str, Any]
     min_role: str = Role.VIEWER.value
     at: str = field(default_factory=lambda: timezone.now().isoformat())
+    text: str = ""
+    url: str = ""
 
 
 async def apublish(event: LiveEvent) -> None:
     layer = get_channel_layer()
     try:
-        await layer.group_send(DASHBOARD_GROUP, {"type": "live.event", **asdict(event)})
+        message = asdict(event)
+        message["text"] = event.text or live_event(event.kind, event.data)
+        message["url"] = event.url or live_link(event.kind, event.data)
+        await layer.group_send(DASHBOARD_GROUP, {"type": "live.event", **message})
     except Exception:  # live updates are best effort: never fail the work that produced them
         logger.exception("could not publish live event %s", event.kind)
 

@@ -9,16 +9,22 @@ from __future__ import annotations
 import logging
 
 from frontend.live import LiveEvent, publish
+from training.models import Delta
 
 logger = logging.getLogger(__name__)
 
 
 def delta_payload(delta) -> dict:
+    """The delta's live event; the device's name when the row came with it (every caller loads it: never a query
+    per event), so the dashboard can say who uploaded."""
+    device_name = delta.device.name if Delta.device.is_cached(delta) else None
     return {
         "id": delta.pk,
         "device": str(delta.device_id),
+        "device_name": device_name,
         "adapter": delta.adapter_name,
         "base_version": delta.base_version_number,
+        "num_samples": delta.num_samples,
         "sha256": delta.sha256,
         "state": delta.state,
         "rejection_code": delta.rejection_code,

@@ -11,6 +11,7 @@ from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from devices.models import Device, DeviceEvent, DeviceStatus
+from frontend import event_text
 from frontend.selectors.common import (
     RECENT_ACTIVITY,
     _round_rows,
@@ -111,6 +112,7 @@ class Activity:
     subject: str
     url: str | None
     detail: dict
+    text: str = ""  # what happened, in words (frontend.event_text)
 
 
 def recent_activity(limit: int = RECENT_ACTIVITY) -> list[Activity]:
@@ -126,6 +128,7 @@ def recent_activity(limit: int = RECENT_ACTIVITY) -> list[Activity]:
             subject=event.device.name,
             url=reverse("frontend:device-detail", args=[event.device_id]),
             detail=event.detail,
+            text=event_text.device_event(event.kind, event.detail, event.device.name),
         )
         for event in DeviceEvent.objects.select_related("device").only(
             "created_at", "kind", "actor_label", "detail", "device__name", "device__id"
@@ -144,6 +147,12 @@ def recent_activity(limit: int = RECENT_ACTIVITY) -> list[Activity]:
                 subject=subject,
                 url=_training_event_url(event),
                 detail=event.detail,
+                text=event_text.training_event(
+                    event.kind,
+                    event.detail,
+                    event.adapter.name if event.adapter else "",
+                    event.version.number if event.version else None,
+                ),
             )
         )
     items.sort(key=lambda item: item.at, reverse=True)

@@ -2,23 +2,44 @@
 
 from __future__ import annotations
 
-import json
+from datetime import UTC
 
 from django import template
+from django.utils import timezone
+
+from frontend import event_text, wording
 
 register = template.Library()
 
 
 @register.filter
 def summary(detail, limit: int = 140) -> str:
-    """A JSON detail dict as ``key=value, ...`` on one line, cut at ``limit`` characters."""
-    if not isinstance(detail, dict) or not detail:
-        return ""
-    text = ", ".join(
-        f"{key}={value if isinstance(value, str) else json.dumps(value, separators=(',', ':'))}"
-        for key, value in detail.items()
-    )
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """A JSON detail dict as ``name value, ...`` on one line, numbers for people (``frontend.wording``), cut
+    at ``limit`` characters."""
+    return wording.detail_text(detail, limit)
+
+
+@register.filter
+def device_event(event, name: str) -> str:
+    """``{{ event|device_event:device.name }}``: a DeviceEvent in words (``frontend.event_text``)."""
+    return event_text.device_event(event.kind, event.detail, name)
+
+
+@register.filter
+def number(value, key: str = "") -> str:
+    """``{{ value|number }}``: 4.42, 12,345; ``{{ value|number:"eval_accuracy" }}``: a fraction as 93.2%."""
+    return wording.number(value, key)
+
+
+@register.filter
+def utc_time(value) -> str:
+    """A moment in UTC, as the whole dashboard shows time: ``14:03:07 UTC`` today, ``2025-01-31 14:03 UTC``
+    before."""
+    if value is None:
+        return "—"
+    moment = value.astimezone(UTC) if timezone.is_aware(value) else value
+    today = timezone.now().astimezone(UTC).date()
+    return moment.strftime("%H:%M:%S UTC" if moment.date() == today else "%Y-%m-%d %H:%M UTC")
 
 
 @register.filter

@@ -335,10 +335,12 @@ def test_live_events_update_the_page_without_a_reload_and_a_resync_rereads_it(br
 
     device = world.devices[1]
     Device.objects.filter(pk=device.pk).update(online=not device.online)
-    off_loop(publish, LiveEvent(kind="device.online", data={"device": str(device.pk)}))
+    off_loop(publish, LiveEvent(kind="device.online", data={"device": str(device.pk), "name": device.name}))
     expected = before + (1 if not device.online else -1)
     page.wait_for_selector(f"[data-testid=count-online]:text-is('{expected}')")
-    page.wait_for_selector("#activity li[data-kind='device.online']")
+    line = page.inner_text("#activity li[data-kind='device.online']")  # in words, at a UTC time
+    assert re.fullmatch(rf"\d\d:\d\d:\d\d UTC {device.name} came online", line), line
+    assert page.get_attribute("#activity li[data-kind='device.online'] a", "href") == f"/devices/{device.pk}/"
 
     # A delta verified in the round: its page shows the new progress with no reload.
     ui.visit(f"/rounds/{world.round.pk}/")

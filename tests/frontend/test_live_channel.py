@@ -2,9 +2,11 @@
 
 import pytest
 from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
+from devices.models import Device
 from fleet.asgi import application
 from frontend.consumers import CLOSE_UNAUTHENTICATED
 from frontend.live import LiveEvent, apublish
@@ -37,6 +39,12 @@ def test_a_group_message_over_redis_reaches_a_signed_in_dashboard(make_user):
         await apublish(LiveEvent(kind="device.online", data={"device": "abc"}))
         message = await communicator.receive_json_from(timeout=5)
         assert message["kind"] == "device.online" and message["data"] == {"device": "abc"}
+        assert message["text"] == "a device came online" and message["at"].endswith("+00:00")
+        # Written in words with the device's name, linked to its page.
+        device = "3f0e8c52-6a8e-4f3a-9d59-1f2b3c4d5e6f"
+        await apublish(LiveEvent(kind="device.offline", data={"device": device, "name": "demo-03"}))
+        message = await communicator.receive_json_from(timeout=5)
+        assert message["text"] == "demo-03 went offline" and message["url"] == f"/devices/{device}/"
         # Events above the viewer's role are not forwarded.
         await apublish(LiveEvent(kind="secret.thing", data={}, min_role="admin"))
         await apublish(LiveEvent(kind="after", data={}))
@@ -108,3 +116,48 @@ def test_publish_from_sync_code_reaches_the_dashboard_on_one_long_lived_loop(mak
         await communicator.disconnect()
 
     async_to_sync(scenario)()
+
+
+def test_presence_changes_reach_the_dashboard_with_the_devices_name(make_user, cohort):
+    import time
+
+    from devices import presence
+    from devices.tasks import flush_presence
+    from tests.frontend.conftest import make_devices
+
+    cookie = _session_cookie(make_user("viewer"))
+    (device,) = make_devices(cohort, 1, prefix="kiosk")
+    Device.objects.filter(pk=device.pk).update(online=False)
+    presence.sync_client().zadd(presence.key("seen"), {str(device.pk): time.time()})
+
+    async def scenario():
+        communicator, connected, _ = await _connect(cookie)
+        assert connected
+        assert (await communicator.receive_json_from(timeout=5))["kind"] == "hello"
+        await database_sync_to_async(flush_presence)()
+        message = await communicator.receive_json_from(timeout=5)
+        assert message["kind"] == "device.online"
+        assert message["data"] == {"device": str(device.pk), "name": "kiosk-00000"}
+        assert message["text"] == "kiosk-00000 came online" and message["url"] == f"/devices/{device.pk}/"
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_a_delta_event_names_its_device_when_the_row_came_with_it_and_never_queries_for_it(
+    cohort, adapter, django_assert_num_queries
+):
+    from tests.frontend.conftest import make_deltas, make_devices, make_versions
+    from training.live import delta_payload
+    from training.models import Delta
+
+    (device,) = make_devices(cohort, 1, prefix="demo")
+    (version,) = make_versions(adapter, 1)
+    (delta,) = make_deltas([device], adapter, version, 1)
+    with django_assert_num_queries(0):
+        assert delta_payload(delta)["device_name"] == "demo-00000"
+    fresh = Delta.objects.get(pk=delta.pk)
+    with django_assert_num_queries(0):
+        payload = delta_payload(fresh)
+    assert payload["device_name"] is None and payload["num_samples"] == 32
+    assert payload["device"] == str(device.pk)

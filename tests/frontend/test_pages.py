@@ -88,8 +88,20 @@ def test_overview_shows_counts_rounds_rejections_versions_and_activity(pages_wor
     assert (
         f"none × {len(pages_world.devices) + len(pages_world.pending)}" in html
     )  # no device reports a running version yet
-    assert "device.approved" in html and "rollout.created" in html and "round.opened" in html
     assert "<svg" in html and "Deltas per hour" in html
+
+
+def test_overview_activity_reads_as_sentences_with_names_and_utc_times(pages_world, client_for):
+    device, adapter, rollout = pages_world.devices[0], pages_world.adapter, pages_world.rollout
+    DeviceEvent.objects.create(device=device, kind="approved", actor_label="alice", detail={"to": "active"})
+    html = client_for("viewer").get("/").content.decode()
+    activity = html.split('id="recent-activity"')[1].split("</ul>")[0]
+    assert f'<a href="/devices/{device.pk}/">{device.name} approved</a>' in activity
+    assert f"round {pages_world.round.pk} of {adapter.name} opened on v{pages_world.versions[-1].number}" in activity
+    assert f"rollout {rollout.pk} of {adapter.name} v{rollout.version.number} created" in activity
+    times = re.findall(r"<time [^>]*>([^<]+)</time>", activity)
+    assert times and all(re.fullmatch(r"\d\d:\d\d:\d\d UTC", t) for t in times), times
+    assert str(device.pk) not in re.sub(r'href="[^"]*"', "", activity)  # names, never ids, in the text
 
 
 def test_pages_show_clear_empty_states(db, client_for):
@@ -250,7 +262,7 @@ def test_device_detail_shows_identity_heartbeat_versions_deltas_and_events(pages
     assert device.public_key in html and "arm64" in html and "2048" in html
     assert "digits-lora v2" in html and "digits-lora v3" in html and "update pending" in html
     assert "norm_too_large" in html and "verified" in html
-    assert "enrolled" in html and "token=fet_x" in html
+    assert f"{device.name} enrolled with token fet_x…" in html
 
 
 # --- cohorts and enrollment tokens ------------------------------------------------------------------------

@@ -25,14 +25,28 @@
     statusEl.textContent = on ? "live" : "offline";
   }
 
+  // "14:03:07 UTC": the dashboard shows every time in UTC, whatever the browser's zone.
+  function utcTime(iso) {
+    const when = new Date(iso || Date.now());
+    return (isNaN(when) ? new Date() : when).toISOString().slice(11, 19) + " UTC";
+  }
+
+  // One line of the live feed: when, then what happened in words (the server writes event.text), linked to
+  // the page it is about when there is one.
   function addActivity(event) {
     if (!activity) return;
     const empty = activity.querySelector(".empty");
     if (empty) empty.remove();
     const li = document.createElement("li");
     li.dataset.kind = event.kind;
-    const when = new Date(event.at || Date.now()).toLocaleTimeString();
-    li.textContent = when + "  " + event.kind + "  " + JSON.stringify(event.data || {});
+    const time = document.createElement("time");
+    time.dateTime = event.at || "";
+    time.textContent = utcTime(event.at);
+    const text = event.text || event.kind.replace(/[._]/g, " ");
+    const what = document.createElement(event.url ? "a" : "span");
+    if (event.url) what.href = event.url;
+    what.textContent = text;
+    li.append(time, " ", what);
     activity.prepend(li);
     while (activity.children.length > 100) activity.lastChild.remove();
   }
