@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, OuterRef, QuerySet, Subquery
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Now
 
 from training.models import Delta, Round
 
@@ -25,15 +25,21 @@ def _count_of(model, fk: str, **filters) -> Coalesce:
     ``(fk, state)`` index; a ``Count`` over a join would group every child row (all deltas, all assignments)
     before the LIMIT, and make the paginator's count join them too.
     """
-    return Coalesce(
-        Subquery(
-            model.objects.filter(**{fk: OuterRef("pk")}, **filters)
-            .order_by()
-            .values(fk)
-            .annotate(n=Count("*"))  # COUNT(*), not COUNT(id): an index-only scan of the (fk, state) index
-            .values("n")
-        ),
-        0,
+    return _counted(model.objects.filter(**{fk: OuterRef("pk")}, **filters), fk)
+
+
+def _counted(rows: QuerySet, group: str) -> Coalesce:
+    """How many ``rows`` (all with one value of ``group``), as a correlated subquery; 0 if none."""
+    # COUNT(*), not COUNT(id): an index-only scan where the filter is an index's columns.
+    return Coalesce(Subquery(rows.order_by().values(group).annotate(n=Count("*")).values("n")), 0)
+
+
+def rejected_while_collecting(adapter, opened, closed) -> QuerySet:
+    """The deltas for a round's adapter that were received while it collected (from ``opened`` to ``closed``)
+    and rejected. A rejected delta never joins a round, only accepted ones do: this is what "rejected" means
+    for a round. Takes values, or ``OuterRef`` expressions for a subquery per round (``_round_rows``)."""
+    return Delta.objects.filter(
+        adapter=adapter, state=Delta.State.REJECTED, received_at__gte=opened, received_at__lt=closed
     )
 
 
@@ -43,12 +49,16 @@ def paginate(queryset: QuerySet, page_number, per_page: int) -> Page:
 
 
 def _round_rows() -> QuerySet:
-    """Rounds with their accepted and rejected delta counts, newest first (the overview and the rounds pages)."""
+    """Rounds with their accepted deltas and the adapter's deltas rejected while they collected
+    (``rejected_meanwhile``), newest first (the overview and the rounds pages)."""
+    meanwhile = rejected_while_collecting(
+        OuterRef("adapter"), OuterRef("created_at"), Coalesce(OuterRef("closed_at"), Now())
+    )
     return (
         Round.objects.select_related("adapter", "base_version", "result_version")
         .annotate(
             accepted=_count_of(Delta, "round", state__in=(Delta.State.ACCEPTED, Delta.State.AGGREGATED)),
-            rejected=_count_of(Delta, "round", state=Delta.State.REJECTED),
+            rejected_meanwhile=_counted(meanwhile, "adapter"),
         )
         .order_by("-created_at", "-id")
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.core.paginator import Page
 from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
+from django.utils import timezone
 
 from devices.models import Device, DeviceStatus
 from frontend.selectors.common import (
@@ -17,6 +18,7 @@ from frontend.selectors.common import (
     _count_of,
     _round_rows,
     paginate,
+    rejected_while_collecting,
 )
 from training.models import Adapter, AdapterVersion, Assignment, BaseModel, Delta, Rollout, Round, TrainingEvent
 
@@ -135,15 +137,19 @@ class RoundDetail:
 
 
 def round_detail(round_id: int, *, state: str = "", page: Any = 1) -> RoundDetail | None:
+    """The round, its deltas by state, and a page of them; ``state="rejected"`` lists the adapter's deltas
+    rejected while the round collected (they never join it: ``rejected_while_collecting``)."""
     round_ = _round_rows().select_related("opened_by").filter(pk=round_id).first()
     if round_ is None:
         return None
     counts = Delta.objects.filter(round=round_).aggregate(
         total=Count("id"), **{state_: Count("id", filter=Q(state=state_)) for state_ in Delta.State.values}
     )
-    deltas = Delta.objects.filter(round=round_).select_related("device").order_by("-received_at", "-id")
-    if state:
-        deltas = deltas.filter(state=state)
+    if state == Delta.State.REJECTED:
+        deltas = rejected_while_collecting(round_.adapter_id, round_.created_at, round_.closed_at or timezone.now())
+    else:
+        deltas = Delta.objects.filter(round=round_, **({"state": state} if state else {}))
+    deltas = deltas.select_related("device").order_by("-received_at", "-id")
     return RoundDetail(round=round_, counts=counts, deltas=paginate(deltas, page, DELTAS_PER_PAGE))
 
 

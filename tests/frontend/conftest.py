@@ -93,6 +93,8 @@ _COUNTERS = itertools.count(1)  # delta counters are unique per device: never re
 
 
 def make_deltas(devices, adapter, base_version, count: int, *, round_=None, rejected_every: int = 0) -> list[Delta]:
+    """``count`` deltas of ``devices`` in turn, received over the last minutes; every ``rejected_every``-th is
+    rejected and, as in the product, joins no round (only accepted deltas join ``round_``)."""
     now = timezone.now()
     rows = []
     for index in range(count):
@@ -106,7 +108,7 @@ def make_deltas(devices, adapter, base_version, count: int, *, round_=None, reje
                 adapter_name=adapter.name,
                 base_version_number=base_version.number,
                 base_version=base_version,
-                round=round_,
+                round=None if rejected else round_,
                 sha256=sha,
                 blob_sha256=sha,
                 size=4096,

@@ -99,15 +99,55 @@ def test_closing_an_empty_round_explains_why_not(adapter, client_for, make_user)
     assert Round.objects.get(pk=round_.pk).state == "collecting"
 
 
-def test_round_detail_lists_every_delta_with_its_result_and_offers_actions_by_role(pages_world, client_for):
+def test_round_detail_lists_every_delta_that_joined_and_offers_actions_by_role(pages_world, client_for):
     html = client_for("viewer").get(f"/rounds/{pages_world.round.pk}/").content.decode()
-    assert html.count("data-delta=") == 8
-    assert html.count("norm_too_large") == 2 and "update norm 1e6 is above the bound" in html
+    assert html.count("data-delta=") == 6  # 8 deltas, every 4th rejected: a rejected delta joins no round
+    assert "norm_too_large" not in html and "6 joined: 6 accepted, 0 aggregated" in html
     assert 'data-testid="round-progress">6 / 50<' in html and "fedavg" in html
     assert "Close now" not in html
     assert "Close now" in client_for("operator").get(f"/rounds/{pages_world.round.pk}/").content.decode()
-    rejected = client_for("viewer").get(f"/rounds/{pages_world.round.pk}/?state=rejected").content.decode()
-    assert rejected.count("data-delta=") == 2
+
+
+def test_rounds_count_the_adapters_deltas_rejected_while_they_collected_not_a_rejected_count_that_is_always_0(
+    adapter, cohort, client_for, make_user
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from tests.frontend.conftest import make_deltas, make_devices
+    from training.models import Delta
+
+    (version,) = make_versions(adapter, 1)
+    devices = make_devices(cohort, 3)
+    now = timezone.now()
+    closed = Round.objects.create(
+        adapter=adapter, base_version=version, strategy="fedavg", buffer_size=5, state="completed",
+        created_at=now - timedelta(hours=3), closed_at=now - timedelta(hours=2),
+    )  # fmt: skip
+    current = round_open(adapter=adapter, actor=make_user("operator"))
+    later = timezone.now()
+    rejected = make_deltas(devices, adapter, version, 6, rejected_every=1)
+    # 4 h ago: before both rounds; 150 and 140 minutes ago: while the closed round collected; 90 minutes ago:
+    # between the two rounds; now (twice): while the current round collects.
+    times = [*(now - timedelta(hours=hours) for hours in (4, 2.5, 2.33, 1.5)), later, later]
+    for delta, received_at in zip(rejected, times, strict=True):
+        Delta.objects.filter(pk=delta.pk).update(received_at=received_at)
+    viewer = client_for("viewer")
+    listing = viewer.get("/rounds/").content.decode()
+    for round_ in (closed, current):
+        link = f'<a class="bad" href="/rounds/{round_.pk}/?state=rejected">2</a>'
+        assert f'data-testid="rejected-meanwhile-{round_.pk}">{link}' in listing
+    detail = viewer.get(f"/rounds/{closed.pk}/").content.decode()
+    assert f"2 deltas</a> for {adapter.name} rejected while this round collected" in detail
+    assert "rejected meanwhile (2)" in detail and "0 joined" in detail
+    listed = viewer.get(f"/rounds/{closed.pk}/?state=rejected").content.decode()
+    assert {int(pk) for pk in re.findall(r'data-delta="(\d+)"', listed)} == {rejected[1].pk, rejected[2].pk}
+    assert listed.count("norm_too_large") == 2
+    Delta.objects.filter(adapter=adapter).delete()
+    empty = viewer.get(f"/rounds/{current.pk}/?state=rejected").content.decode()
+    assert f"No delta for {adapter.name} was rejected while this round collected." in empty
+    assert f'data-testid="rejected-meanwhile-{current.pk}">0<' in viewer.get("/rounds/").content.decode()
 
 
 # --- rollouts --------------------------------------------------------------------------------------------
