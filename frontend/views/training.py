@@ -46,7 +46,9 @@ def adapter_detail(request, pk: int):
     detail = selectors.adapter_detail(pk)
     if detail is None:
         raise Http404("No such adapter.")
-    charts = [line_chart(METRIC_TITLES.get(name, name), points) for name, points in detail.series.items()]
+    charts = [
+        line_chart(METRIC_TITLES.get(name, name), points, metric=name) for name, points in detail.series.items()
+    ]
     return render(
         request,
         "frontend/adapter_detail.html",
