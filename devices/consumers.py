@@ -85,10 +85,11 @@ def _authenticate(device_id, nonce: str, signature) -> Device:
 
 @_socket_db
 def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> dict | None:
-    """Note the agent's version and hardware when they changed; return the newest assignment the device has
-    not installed yet, as the message it should receive (one trip to the database thread per hello)."""
+    """Note the agent's version and hardware when they changed; join a rollout in progress (or the last
+    completed one) the device is not part of yet; return the newest assignment the device has not installed
+    yet, as the message it should receive (one trip to the database thread per hello)."""
     from training.delivery import assignment_message, current_assignment
-    from training.rollouts import assignment_for_newcomer
+    from training.rollout_joining import assignment_at_check_in
 
     changes = {}
     if agent_version and agent_version != device.agent_version:
@@ -98,12 +99,10 @@ def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> d
     if changes:
         Device.objects.filter(pk=device.pk).update(**changes)
         DeviceEvent.objects.create(device=device, kind=DeviceEvent.Kind.UPDATED, actor_label="device", detail=changes)
+    if assignment_at_check_in(device=device) is not None:
+        return None  # pushed to this socket by ``deliver`` once it is committed
     assignment = current_assignment(device.pk)
-    if assignment is None:
-        # A newcomer's assignment is pushed to this socket by ``deliver`` once it is committed.
-        assignment_for_newcomer(device=device)
-        return None
-    return assignment_message(assignment)
+    return assignment_message(assignment) if assignment is not None else None
 
 
 _personal_record = _socket_db(personal_report_record)

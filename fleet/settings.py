@@ -354,6 +354,9 @@ DEVICE_TOKEN_TTL_SECONDS = env_int("DEVICE_TOKEN_TTL_SECONDS", 900, minimum=30)
 ENROLLMENT_RATE = env_str("ENROLLMENT_RATE", "30/min")
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, minimum=1)
 LOGIN_FAILURE_WINDOW_SECONDS = env_int("LOGIN_FAILURE_WINDOW_SECONDS", 900, minimum=10)
+# A rollout's device whose assignment is still pending no longer holds the rollout open once it is offline and
+# was not seen for this long (training/rollout_progress.py); it still gets its assignment when it comes back.
+ROLLOUT_GONE_SECONDS = env_int("ROLLOUT_GONE_SECONDS", 600, minimum=10)
 CELERY_BEAT_SCHEDULE["tick-rollouts"] = {
     "task": "training.tasks.tick_rollouts",
     "schedule": float(env_int("ROLLOUT_TICK_SECONDS", 10, minimum=1)),

@@ -129,7 +129,8 @@ class Rollout(models.Model):
     Each phase covers a percent of the cohort (devices chosen by a stable hash of rollout and device, so a
     larger percent only ever adds devices) and lasts at least its soak time. Guards are thresholds on the
     metrics devices report after installing; a breach pauses or rolls back, as ``on_breach`` says.
-    States: draft → running ⇄ paused → completed | aborted | rolled_back.
+    States: draft → running ⇄ paused → completed | aborted | rolled_back. Completed means every phase is done
+    and each device it assigned installed, failed or is gone (``training.rollout_progress``).
     """
 
     class State(models.TextChoices):
@@ -158,6 +159,12 @@ class Rollout(models.Model):
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    device_counts = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="installed, failed, pending, gone (and gone by rule) as of the last tick that found devices "
+        "pending, and as they stood when it finished (training.rollout_progress)",
+    )
 
     class Meta:
         ordering = ["-created_at"]

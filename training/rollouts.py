@@ -1,7 +1,10 @@
 """Rollouts: phases, deterministic device selection, guards, and the assignments that carry them.
 
 Services write (``rollout_*``, ``assignment_*``); ``rollout_tick`` is what the beat task runs. Every change
-of state records who did it; deliveries go out after the transaction commits.
+of state records who did it; deliveries go out after the transaction commits. A rollout assigns the devices of
+its current phase when it starts, resumes and advances, and a device that joins its cohort while it runs when
+that device checks in (``training.rollout_joining``). It completes when its phases are done and none of its
+devices is still pending (``training.rollout_progress`` says when a device is gone instead).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from django.utils import timezone
 from devices.models import Device, DeviceStatus
 from fleet.api.errors import ApiError
 from training.models import AdapterVersion, Assignment, Rollout, TrainingEvent
+from training.rollout_progress import ACTIVE, completion_reason, device_counts, waiting_reason
 
-ACTIVE = (Assignment.State.PENDING, Assignment.State.DELIVERED)
 REPORTABLE_METRICS = 32
 
 
@@ -142,10 +145,13 @@ def rollout_start(*, rollout: Rollout, actor) -> Rollout:
         version__adapter=rollout.version.adapter,
         state__in=[Rollout.State.RUNNING, Rollout.State.PAUSED],
     ).exclude(pk=rollout.pk)
-    if busy.exists():
+    earlier = busy.first()
+    if earlier is not None:
+        waiting = f" ({earlier.state_reason})" if earlier.state_reason else ""
         raise ApiError(
             "rollout_in_progress",
-            f"rollout {busy.first().pk} of this adapter is still in progress in {rollout.cohort.name}",
+            f"rollout {earlier.pk} of this adapter is still {earlier.state} in {rollout.cohort.name}{waiting}; "
+            "wait for it or abort it",
             status_code=409,
         )
     now = timezone.now()
@@ -243,8 +249,9 @@ def rollout_abort(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     rollout = _lock(rollout)
     if rollout.state not in (Rollout.State.RUNNING, Rollout.State.PAUSED):
         raise ApiError("invalid_transition", f"Cannot abort a rollout that is {rollout.state}.", status_code=409)
+    counts = device_counts(rollout)  # as it stood when stopped: its pending devices are the ones withdrawn
     withdrawn = _supersede_pending(rollout, "rollout aborted")
-    _set_state(rollout, Rollout.State.ABORTED, reason=reason, finished_at=timezone.now())
+    _set_state(rollout, Rollout.State.ABORTED, reason=reason, finished_at=timezone.now(), device_counts=counts)
     Device.objects.filter(assignments__rollout=rollout, desired_version=rollout.version).exclude(
         running_version=rollout.version
     ).update(desired_version=None)
@@ -258,6 +265,7 @@ def rollout_rollback(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     rollout = _lock(rollout)
     if rollout.state not in (Rollout.State.RUNNING, Rollout.State.PAUSED, Rollout.State.COMPLETED):
         raise ApiError("invalid_transition", f"Cannot roll back a rollout that is {rollout.state}.", status_code=409)
+    counts = device_counts(rollout)
     _supersede_pending(rollout, "rollout rolled back")
     reached = rollout.assignments.filter(state__in=[Assignment.State.INSTALLED, Assignment.State.DELIVERED])
     reverted = 0
@@ -266,7 +274,7 @@ def rollout_rollback(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
             continue  # it ran nothing before: there is nothing to go back to
         assignment_create(device=assignment.device, version=assignment.previous_version, rollout=None)
         reverted += 1
-    _set_state(rollout, Rollout.State.ROLLED_BACK, reason=reason, finished_at=timezone.now())
+    _set_state(rollout, Rollout.State.ROLLED_BACK, reason=reason, finished_at=timezone.now(), device_counts=counts)
     _record("rollout.rolled_back", rollout, actor, reason=reason, reverted=reverted)
     return rollout
 
@@ -299,7 +307,8 @@ def guard_report(rollout: Rollout) -> list[dict]:
 
 
 def rollout_tick(*, rollout: Rollout) -> str:
-    """One step of a running rollout: check guards, then advance when the phase has soaked. Idempotent."""
+    """One step of a running rollout: check guards, then advance when the phase has soaked; after the last
+    phase, complete once none of its devices is pending ("waiting" until then). Idempotent."""
     with transaction.atomic():
         rollout = _lock(rollout)
         if rollout.state != Rollout.State.RUNNING:
@@ -325,8 +334,21 @@ def rollout_tick(*, rollout: Rollout) -> str:
             count = _assign_phase(rollout)
             _record("rollout.phase", rollout, None, phase=rollout.current_phase, assigned=count)
             return "advanced"
-        _set_state(rollout, Rollout.State.COMPLETED, finished_at=timezone.now())
-        _record("rollout.completed", rollout, None)
+        counts = device_counts(rollout)
+        if counts["pending"]:  # every phase done, but devices may still install: it says which
+            reason = waiting_reason(rollout, counts)
+            if (reason, counts) != (rollout.state_reason, rollout.device_counts):
+                rollout.state_reason, rollout.device_counts = reason, counts
+                rollout.save(update_fields=["state_reason", "device_counts"])
+            return "waiting"
+        _set_state(
+            rollout,
+            Rollout.State.COMPLETED,
+            reason=completion_reason(counts),
+            finished_at=timezone.now(),
+            device_counts=counts,
+        )
+        _record("rollout.completed", rollout, None, **{k: counts[k] for k in ("installed", "failed", "gone")})
         return "completed"
 
 
@@ -380,26 +402,6 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
         if status == "installed":
             Device.objects.filter(pk=device.pk).update(running_version=assignment.version)
     return assignment
-
-
-def assignment_for_newcomer(*, device: Device) -> Assignment | None:
-    """A device that joined its cohort after the cohort's last rollout finished gets that rollout's version,
-    so the fleet converges without an operator re-running rollouts for every new device. A device that has
-    ever had an assignment is left to the rollouts (and the operator's rollbacks) that made it."""
-    if device.assignments.exists():
-        return None
-    # Narrow first (asked on every hello of a device without assignments), the whole rollout only if any.
-    rollout_id = (
-        Rollout.objects.filter(cohort_id=device.cohort_id, state=Rollout.State.COMPLETED)
-        .exclude(version__state=AdapterVersion.State.REVOKED)
-        .order_by("-finished_at", "-id")
-        .values_list("pk", flat=True)
-        .first()
-    )
-    if rollout_id is None:
-        return None
-    rollout = Rollout.objects.select_related("version").get(pk=rollout_id)
-    return assignment_create(device=device, version=rollout.version, rollout=rollout, phase=len(rollout.phases) - 1)
 
 
 @transaction.atomic

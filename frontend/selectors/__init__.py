@@ -54,6 +54,7 @@ from frontend.selectors.training import (
     round_detail,
     round_list,
     version_lineage,
+    with_device_counts,
 )
 
 __all__ = [
@@ -97,4 +98,5 @@ __all__ = [
     "version_choices",
     "version_lineage",
     "versions_in_use",
+    "with_device_counts",
 ]

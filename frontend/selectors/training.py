@@ -21,6 +21,7 @@ from frontend.selectors.common import (
     rejected_while_collecting,
 )
 from training.models import Adapter, AdapterVersion, Assignment, BaseModel, Delta, Rollout, Round, TrainingEvent
+from training.rollout_progress import annotate_device_counts, counts_for, counts_summary
 
 # --- models, adapters and versions ---------------------------------------------------------------------------
 
@@ -157,11 +158,20 @@ def round_detail(round_id: int, *, state: str = "", page: Any = 1) -> RoundDetai
 
 
 def rollout_list(*, state: str = "") -> QuerySet:
-    counts = {f"n_{state_}": _count_of(Assignment, "rollout", state=state_) for state_ in Assignment.State.values}
-    rollouts = Rollout.objects.select_related("version__adapter", "cohort").annotate(**counts)
+    """Rollouts, newest first, each with its devices' live counts (``with_device_counts`` picks what to show)."""
+    rollouts = annotate_device_counts(Rollout.objects.select_related("version__adapter", "cohort"))
     if state:
         rollouts = rollouts.filter(state=state)
     return rollouts.order_by("-created_at", "-id")
+
+
+def with_device_counts(rollouts) -> list[Rollout]:
+    """Each rollout of a page with ``devices``: installed, failed, pending and gone, live while it is in
+    progress and as recorded when it finished (so a finished rollout never shows devices pending)."""
+    rollouts = list(rollouts)
+    for rollout in rollouts:
+        rollout.devices = counts_for(rollout)
+    return rollouts
 
 
 def rollout_versions() -> list[AdapterVersion]:
@@ -188,6 +198,8 @@ class RolloutDetail:
     rollout: Rollout
     phases: list[RolloutPhase]
     totals: dict[str, int]
+    devices: dict
+    devices_summary: str
     cohort_devices: int
     guards: list[dict]
     assignments: list[Assignment]
@@ -220,10 +232,13 @@ def rollout_detail(rollout_id: int, *, assignments: int = 50, events: int = 30) 
                 index, phase["percent"], phase.get("min_soak_seconds", 0), status, counts, sum(counts.values())
             )
         )
+    devices = counts_for(rollout)
     return RolloutDetail(
         rollout=rollout,
         phases=phases,
         totals=totals,
+        devices=devices,
+        devices_summary=counts_summary(devices),
         cohort_devices=Device.objects.filter(cohort=rollout.cohort_id, status=DeviceStatus.ACTIVE).count(),
         guards=guard_report(rollout),
         assignments=list(rollout.assignments.select_related("device", "version").order_by("-seq")[:assignments]),

@@ -131,6 +131,7 @@ def rollouts(request):
     state = request.GET.get("state", "")
     state = state if state in Rollout.State.values else ""
     page = selectors.paginate(selectors.rollout_list(state=state), request.GET.get("page"), selectors.ROLLOUTS_PER_PAGE)
+    page.object_list = selectors.with_device_counts(page.object_list)
     return render(request, "frontend/rollouts.html", {"page": page, "state": state, "states": Rollout.State.values})
 
 

@@ -51,13 +51,14 @@ def _roll_out(version, cohort, make_user):
         version=version, cohort=cohort, phases=[{"percent": 100, "min_soak_seconds": 0}], actor=operator
     )
     rollout_start(rollout=rollout, actor=operator)
-    rollout_tick(rollout=rollout)  # one phase, no soak: it completes at once
+    # One phase, no soak: every device is assigned at once, and the rollout waits for them to install.
+    assert rollout_tick(rollout=rollout) == "waiting"
     return rollout
 
 
 def test_agent_installs_an_assignment_reports_metrics_and_keeps_the_previous_version(agent, adapter, cohort, make_user):
     first, second = version_create_seeded(adapter=adapter, seed=1), version_create_seeded(adapter=adapter, seed=2)
-    _roll_out(first, cohort, make_user)
+    first_rollout = _roll_out(first, cohort, make_user)
     message = agent.session.get("/api/v1/device/assignment/")
     assert agent.apply(message) == {"status": "installed", "version": 1}
     store = AdapterStore(agent.home)
@@ -70,6 +71,7 @@ def test_agent_installs_an_assignment_reports_metrics_and_keeps_the_previous_ver
     assert installed.state == "installed" and installed.metrics == {"val_accuracy": 0.91, "val_loss": 0.3}
     assert Device.objects.get(pk=agent.device.id).running_version == first
     assert agent.session.get("/api/v1/device/assignment/") is None  # nothing pending any more
+    assert rollout_tick(rollout=first_rollout) == "completed"  # its one device installed
 
     _roll_out(second, cohort, make_user)
     assert agent.apply(agent.session.get("/api/v1/device/assignment/"))["status"] == "installed"

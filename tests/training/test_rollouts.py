@@ -16,6 +16,7 @@ from edge_agent.protocol import encode, hello_payload, sign
 from fleet.asgi import application
 from fleet.server_key import server_public_key_b64
 from training.models import Assignment, Rollout, TrainingEvent
+from training.rollout_joining import assignment_for_newcomer
 from training.rollouts import (
     assignment_report,
     device_bucket,
@@ -62,6 +63,9 @@ def test_phases_pick_a_stable_growing_set_of_devices_and_advance_after_soak(flee
     assert rollout_tick(rollout=rollout) == "advanced"
     second = set(Assignment.objects.filter(rollout=rollout).values_list("device_id", flat=True))
     assert first < second and len(second) == 20  # phase 2 only adds devices
+    assert rollout_tick(rollout=rollout) == "waiting"  # every phase done, no device installed yet
+    for assignment in rollout.assignments.all():
+        assignment_report(device=assignment.device, assignment_id=assignment.pk, status="installed")
     assert rollout_tick(rollout=rollout) == "completed"
     kinds = list(TrainingEvent.objects.filter(detail__rollout=rollout.pk).values_list("kind", flat=True))
     assert {"rollout.created", "rollout.started", "rollout.phase", "rollout.completed"} <= set(kinds)
@@ -249,9 +253,6 @@ def test_a_rollout_needs_a_live_version_for_a_cohort_the_adapter_serves(versions
 
 @pytest.mark.django_db
 def test_a_device_that_joins_after_a_rollout_completed_gets_its_version(adapter, cohort, enrolled, make_user):
-    from training.rollouts import assignment_for_newcomer, rollout_create, rollout_start, rollout_tick
-    from training.services import version_create_seeded
-
     adapter.cohorts.add(cohort)
     version = version_create_seeded(adapter=adapter, seed=1)
     operator = make_user("operator")

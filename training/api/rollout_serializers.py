@@ -4,6 +4,7 @@ from rest_framework import serializers
 from devices.models import Cohort
 from fleet.api.serializers import StrictTypesMixin
 from training.models import AdapterVersion, Assignment, Rollout
+from training.rollout_progress import GONE_RULES, counts_for, counts_summary
 from training.rollouts import REPORTABLE_METRICS
 
 
@@ -46,6 +47,29 @@ class GuardsField(serializers.JSONField):
     """Checked by training.rollouts.validate_guards (which also wants a min or a max)."""
 
 
+_COUNT = {"type": "integer", "minimum": 0}
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "properties": {
+            "installed": _COUNT,
+            "failed": _COUNT,
+            "pending": _COUNT,
+            "gone": _COUNT,
+            "gone_by": {"type": "object", "properties": dict.fromkeys(GONE_RULES, _COUNT)},
+            "gone_after_seconds": _COUNT,
+        },
+        "description": "The rollout's devices: installed, failed, pending (may still install) or gone (superseded, "
+        "no longer active, left the cohort, or offline and not seen for gone_after_seconds). Live while it is in "
+        "progress; once it finished, as they stood then.",
+    }
+)
+class DeviceCountsField(serializers.DictField):
+    """training.rollout_progress.counts_for"""
+
+
 class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
     version = serializers.PrimaryKeyRelatedField(queryset=AdapterVersion.objects.all())
     phases = PhasesField(help_text="[{percent, min_soak_seconds}], percents increasing, the last ≤ 100")
@@ -54,6 +78,8 @@ class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
     adapter = serializers.CharField(source="version.adapter.name", read_only=True)
     version_number = serializers.IntegerField(source="version.number", read_only=True)
     progress = serializers.SerializerMethodField()
+    devices = serializers.SerializerMethodField()
+    devices_summary = serializers.SerializerMethodField()
 
     class Meta:
         model = Rollout
@@ -75,6 +101,8 @@ class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "progress",
+            "devices",
+            "devices_summary",
         ]
         read_only_fields = [
             "id",
@@ -88,12 +116,27 @@ class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "progress",
+            "devices",
+            "devices_summary",
         ]
         extra_kwargs = {"max_failure_rate": {"required": False}}
 
     def get_progress(self, rollout) -> dict:
         counts = getattr(rollout, "assignment_counts", None)
         return counts if counts is not None else {}
+
+    def _devices(self, rollout) -> dict:
+        if not hasattr(rollout, "_device_counts"):
+            rollout._device_counts = counts_for(rollout)
+        return rollout._device_counts
+
+    @extend_schema_field(DeviceCountsField)
+    def get_devices(self, rollout) -> dict:
+        return self._devices(rollout)
+
+    def get_devices_summary(self, rollout) -> str:
+        """The counts in words: "10 installed, 1 failed, 1 gone (not seen for 10 min)"."""
+        return counts_summary(self._devices(rollout))
 
 
 class RolloutDetailSerializer(RolloutSerializer):

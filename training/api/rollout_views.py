@@ -19,6 +19,8 @@ from training.api.rollout_serializers import (
 )
 from training.delivery import assignment_message, current_assignment
 from training.models import Assignment, Rollout
+from training.rollout_joining import assignment_at_check_in
+from training.rollout_progress import annotate_device_counts
 from training.rollouts import (
     assignment_report,
     rollout_abort,
@@ -45,7 +47,8 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
 
     def get_queryset(self):
         counts = {f"n_{state}": count for state, count in _COUNTS.items()}
-        return Rollout.objects.select_related("version__adapter", "cohort").annotate(**counts).order_by("-created_at")
+        rollouts = Rollout.objects.select_related("version__adapter", "cohort").annotate(**counts)
+        return annotate_device_counts(rollouts).order_by("-created_at")
 
     def get_serializer_class(self):
         return RolloutDetailSerializer if self.action == "retrieve" else RolloutSerializer
@@ -124,13 +127,15 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
 
 
 class DeviceAssignmentView(APIView):
-    """The calling device's newest assignment not yet installed (the same message the socket pushes)."""
+    """The calling device's newest assignment not yet installed (the same message the socket pushes). Asking is
+    how a REST device checks in: it joins a rollout in progress in its cohort as the socket's hello does."""
 
     authentication_classes = [DeviceTokenAuthentication]
     permission_classes = [IsDevice]
 
     @extend_schema(responses={200: OpenApiResponse(description="assignment message"), 204: None})
     def get(self, request):
+        assignment_at_check_in(device=request.user.device)  # a rollout it joined since: now its newest
         assignment = current_assignment(request.user.device.pk)
         if assignment is None:
             return Response(status=status.HTTP_204_NO_CONTENT)
