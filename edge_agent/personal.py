@@ -161,10 +161,18 @@ def personalize(
         for key, parameter in adapter_parameters(model).items():
             parameter.requires_grad_(key in private)
     if train_personal:
-        run = replace(config, epochs=settings.epochs, lr=settings.lr, update_replay=False)
+        # A fixed budget of epochs, kept whole (the last epoch, not the best of a tiny validation slice by loss),
+        # undone only if held-out accuracy got worse, then refit on all local data (TrainConfig.refit).
+        run = replace(config, epochs=settings.epochs, lr=settings.lr, update_replay=False, metric="accuracy",
+                      min_delta=-1.0, patience=settings.epochs + 1, refit=True)  # fmt: skip
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
     tensors = {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model).items()}
-    personal_metrics = family.evaluate(model.eval(), val)
+    if result is not None and result.after and not result.discarded:
+        personal_metrics = dict(result.after)  # held out: a refit run has seen the validation slice since
+    elif result is not None and result.before:
+        personal_metrics = dict(result.before)  # discarded: the starting model, as it was measured
+    else:
+        personal_metrics = family.evaluate(model.eval(), val)
     return PersonalOutcome(
         tensors, shared_metrics, personal_metrics, choose(shared_metrics, personal_metrics, settings), result
     )

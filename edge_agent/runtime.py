@@ -207,7 +207,7 @@ class DeviceRuntime:
         return local_split(data, val_fraction=1 / VAL_EVERY)
 
     def _train_config(self, checkpoint_dir: Path) -> TrainConfig:
-        return TrainConfig(**{**self.config.train, "checkpoint_dir": checkpoint_dir})
+        return TrainConfig(**{"refit": True, **self.config.train, "checkpoint_dir": checkpoint_dir})
 
     def _replay(self) -> ReplayBuffer:
         return ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))

@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,11 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None
     progress_bar: bool | None = None  # None: when stderr is a terminal
+    # After the held-out run has chosen how many epochs help (its best epoch), train again from the start on
+    # the training and validation slices together for that many: the validation samples are too many to leave
+    # out on a device with little data (README, "Personalization"). The result still reports the held-out
+    # figures of the first run.
+    refit: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -334,6 +339,14 @@ def train_adapter(
                 f" (accuracy {before['accuracy']:.3f} -> {result.after['accuracy']:.3f}), best epoch "
                 f"{state['best_epoch']}" + (", stopped early" if state["stopped_early"] else "")
             )
+    if config.refit and has_val and not result.discarded and result.best_epoch:
+        load_adapter_tensors(model, start)
+        once = replace(config, epochs=result.best_epoch, refit=False, checkpoint_dir=None, update_replay=False,
+                       max_steps=None, patience=config.epochs + 1)  # fmt: skip
+        everything, nothing = concat([train_data, val_data]), take(val_data, slice(0, 0))
+        again = train_adapter(model, everything, nothing, config=once, family=family, replay=replay, penalty=penalty)
+        result.steps += again.steps
+        result.notes.append(f"refit on all {size(train_data) + size(val_data)} local samples for {once.epochs} epochs")
     if replay is not None and config.update_replay and n:
         replay.add(train_data)
         replay.save()
