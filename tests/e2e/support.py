@@ -74,7 +74,7 @@ def spawn(argv: list[str], env: dict) -> tuple[subprocess.Popen, Output]:
     return process, Output(process)
 
 
-def launcher_argv(port: int, demo_devices: int | None = None) -> list[str]:
+def launcher_argv(port: int, demo_devices: int | None = None, web_workers: int = 1) -> list[str]:
     """The launcher's command line as `make run` gives it; without ``demo_devices``, no demo fleet."""
     return [
         sys.executable,
@@ -84,7 +84,7 @@ def launcher_argv(port: int, demo_devices: int | None = None) -> list[str]:
         "--port",
         str(port),
         "--web-workers",
-        "1",
+        str(web_workers),
         "--worker-concurrency",
         "1",
         *(["--devices", str(demo_devices)] if demo_devices else ["--no-demo"]),
@@ -106,10 +106,11 @@ def await_ready(process: subprocess.Popen, output: Output, timeout: float = 120)
 
 
 def start_launcher(
-    env: dict, port: int, timeout: float = 120, demo_devices: int | None = None
+    env: dict, port: int, timeout: float = 120, demo_devices: int | None = None, web_workers: int = 1
 ) -> tuple[subprocess.Popen, Output]:
-    """The product as `make run` starts it; without ``demo_devices``, no demo fleet (``--no-demo``)."""
-    process, output = spawn(launcher_argv(port, demo_devices), env)
+    """The product as `make run` starts it; without ``demo_devices``, no demo fleet (``--no-demo``);
+    ``web_workers`` server processes."""
+    process, output = spawn(launcher_argv(port, demo_devices, web_workers), env)
     await_ready(process, output, timeout)
     return process, output
 
