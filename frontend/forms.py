@@ -160,3 +160,18 @@ class RolloutForm(forms.Form):
 
     def clean_guards(self):
         return _parse_guards(self.cleaned_data.get("guards") or "")
+
+
+class AdapterCohortsForm(forms.Form):
+    """The cohorts an adapter serves, one checkbox each (``training.services.adapter_set_cohorts`` checks the
+    rest: a cohort a rollout is running in stays)."""
+
+    cohorts = forms.ModelMultipleChoiceField(
+        queryset=Cohort.objects.order_by("name"),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        error_messages={
+            "invalid_choice": "There is no cohort %(value)s (deleted meanwhile?): nothing was changed.",
+            "invalid_pk_value": "“%(pk)s” is not a cohort: nothing was changed.",
+        },
+    )

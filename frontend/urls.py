@@ -17,6 +17,7 @@ urlpatterns = [
     path("enrollment-tokens/<int:pk>/revoke/", views.enrollment_token_revoke_view, name="enrollment-token-revoke"),
     path("models/", views.models, name="models"),
     path("adapters/<int:pk>/", views.adapter_detail, name="adapter-detail"),
+    path("adapters/<int:pk>/cohorts/", views.adapter_cohorts, name="adapter-cohorts"),
     path("rounds/", views.rounds, name="rounds"),
     path("rounds/<int:pk>/", views.round_detail, name="round-detail"),
     path("rounds/<int:pk>/<slug:action>/", views.round_action, name="round-action"),

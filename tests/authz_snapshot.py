@@ -12,11 +12,12 @@ VOLATILE_FIELDS = {"accounts.User": {"last_login"}, "accounts.ApiToken": {"last_
 
 
 def db_state() -> dict[str, list[tuple]]:
-    """Every row of the project's models (but the sign-in bookkeeping above), ordered by primary key."""
+    """Every row of the project's models (but the sign-in bookkeeping above), ordered by primary key; the
+    tables behind many-to-many fields too (which cohorts an adapter serves, say)."""
     from django.apps import apps
 
     state = {}
-    for model in apps.get_models():
+    for model in apps.get_models(include_auto_created=True):
         label = model._meta.label
         if model._meta.app_label not in PROJECT_APPS:
             continue

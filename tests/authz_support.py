@@ -106,6 +106,7 @@ class World:
             ("adapter-seed", "post"): {"seed": 7},
             ("adapter-aggregation", "put"): {"aggregation": {"strategy": "median"}},
             ("adapter-personalization", "put"): {"personalization": {"method": "finetune"}},
+            ("adapter-cohorts", "put"): {"cohorts": []},
             ("rollout-list", "post"): {
                 "version": self.candidate.pk,
                 "cohort": self.cohort.name,
@@ -122,6 +123,7 @@ class World:
             ("frontend:device-bulk", "post"): {"action": "quarantine", "device": [self.alpha.id]},
             ("frontend:device-action", "post"): {"action": "quarantine", "reason": "intruder"},
             ("frontend:rounds", "post"): {"adapter": self.adapter.pk},
+            ("frontend:adapter-cohorts", "post"): {},  # nothing ticked: the adapter would serve no cohort
             ("frontend:rollout-create", "post"): {
                 "version": self.candidate.pk,
                 "cohort": self.cohort.pk,

@@ -334,22 +334,28 @@ def rollout_tick(*, rollout: Rollout) -> str:
             count = _assign_phase(rollout)
             _record("rollout.phase", rollout, None, phase=rollout.current_phase, assigned=count)
             return "advanced"
-        counts = device_counts(rollout)
-        if counts["pending"]:  # every phase done, but devices may still install: it says which
-            reason = waiting_reason(rollout, counts)
-            if (reason, counts) != (rollout.state_reason, rollout.device_counts):
-                rollout.state_reason, rollout.device_counts = reason, counts
-                rollout.save(update_fields=["state_reason", "device_counts"])
-            return "waiting"
-        _set_state(
-            rollout,
-            Rollout.State.COMPLETED,
-            reason=completion_reason(counts),
-            finished_at=timezone.now(),
-            device_counts=counts,
-        )
-        _record("rollout.completed", rollout, None, **{k: counts[k] for k in ("installed", "failed", "gone")})
-        return "completed"
+        return _complete_when_settled(rollout)
+
+
+def _phases_done(rollout: Rollout) -> bool:
+    soak = timedelta(seconds=rollout.phases[rollout.current_phase]["min_soak_seconds"])
+    return rollout.current_phase + 1 == len(rollout.phases) and timezone.now() >= rollout.phase_started_at + soak
+
+
+def _complete_when_settled(rollout: Rollout) -> str:
+    """A locked, running rollout whose phases are done: completed if none of its devices is pending, else
+    "waiting", saying which devices it waits for."""
+    counts = device_counts(rollout)
+    if counts["pending"]:
+        reason = waiting_reason(rollout, counts)
+        if (reason, counts) != (rollout.state_reason, rollout.device_counts):
+            rollout.state_reason, rollout.device_counts = reason, counts
+            rollout.save(update_fields=["state_reason", "device_counts"])
+        return "waiting"
+    reason, now = completion_reason(counts), timezone.now()
+    _set_state(rollout, Rollout.State.COMPLETED, reason=reason, finished_at=now, device_counts=counts)
+    _record("rollout.completed", rollout, None, **{k: counts[k] for k in ("installed", "failed", "gone")})
+    return "completed"
 
 
 def assignment_report(*, device: Device, assignment_id, status: str, reason: str = "", metrics=None) -> Assignment:
@@ -376,6 +382,9 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
     if not isinstance(reason, str) or len(reason) > 300:
         raise ApiError("invalid_reason", "reason must be a string of at most 300 characters", status_code=400)
     with transaction.atomic():
+        # The device row first, as assignment_create locks it before the device's assignments: the other order
+        # deadlocked when a report crossed a new version's assignment (auto_release).
+        Device.objects.select_for_update().filter(pk=device.pk).values_list("pk", flat=True).first()
         assignment = Assignment.objects.select_for_update().filter(pk=assignment_id, device=device).first()
         if assignment is None:
             raise ApiError("not_found", "No such assignment for this device.", status_code=404)
@@ -408,7 +417,9 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
 def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
     """Continuous personalization (the adapter's ``auto_release``): release a round's new version and roll it
     out to every cohort the adapter serves in one phase, superseding an earlier automatic rollout still in
-    flight. Operators who want staged, guarded rollouts leave ``auto_release`` off and roll out themselves."""
+    flight: one whose phases are done and only waits for devices completes (those devices get the newer version
+    instead and count as gone, superseded); one still in its phases, or paused, is aborted. Operators who want
+    staged, guarded rollouts leave ``auto_release`` off and roll out themselves."""
     from training.services import version_transition
 
     version = AdapterVersion.objects.select_for_update().get(pk=version.pk)
@@ -424,7 +435,14 @@ def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
         for earlier in busy:
             if earlier.version.number >= version.number:
                 break
-            rollout_abort(rollout=earlier, actor=None, reason=f"superseded by v{version.number}")
+            reason = f"superseded by v{version.number}"
+            earlier = _lock(earlier)
+            if earlier.state == Rollout.State.RUNNING and _phases_done(earlier):
+                # Only waiting for devices, which now get the newer version: theirs are gone (superseded).
+                _supersede_pending(earlier, reason)
+                _complete_when_settled(earlier)
+            else:
+                rollout_abort(rollout=earlier, actor=None, reason=reason)
         else:
             rollout = rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}], actor=None)
             started.append(rollout_start(rollout=rollout, actor=None))

@@ -21,7 +21,7 @@ from edge_agent.lora import initial_tensors, peft_config, tensor_spec
 from fleet.api.errors import ApiError
 from training.artifacts import ArtifactRejected, load_checked
 from training.blobs import blob_put_bytes, blob_read
-from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
+from training.models import Adapter, AdapterVersion, BaseModel, Rollout, TrainingEvent
 from training.personalization_settings import validate_personalization
 
 MAX_ARTIFACT_BYTES = 512 * 1024 * 1024
@@ -259,6 +259,43 @@ def adapter_set_aggregation(*, adapter: Adapter, actor, aggregation: dict | None
         Adapter.objects.filter(pk=adapter.pk).update(**changes)
         _record("adapter.aggregation_changed", actor=actor, adapter=adapter, **changes)
     adapter.refresh_from_db()
+    return adapter
+
+
+@transaction.atomic
+def adapter_set_cohorts(*, adapter: Adapter, actor, cohorts) -> Adapter:
+    """Replace the cohorts an adapter serves (its devices train it, its rollouts go there). A cohort that a
+    running or paused rollout of the adapter goes to cannot be dropped (409): abort or finish it first.
+    Records ``adapter.cohorts_changed`` with what was added and removed; nothing when nothing changes."""
+    adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+    before = {cohort.pk: cohort.name for cohort in adapter.cohorts.all()}
+    after = {cohort.pk: cohort.name for cohort in cohorts}
+    dropped = set(before) - set(after)
+    busy = (
+        Rollout.objects.filter(
+            version__adapter=adapter, cohort__in=dropped, state__in=(Rollout.State.RUNNING, Rollout.State.PAUSED)
+        )
+        .select_related("cohort")
+        .order_by("pk")
+        .first()
+    )
+    if busy is not None:
+        raise ApiError(
+            "cohort_in_use",
+            f"rollout {busy.pk} of {adapter.name} is {busy.state} in cohort {busy.cohort.name}; "
+            "abort it or let it finish before the adapter stops serving that cohort",
+            status_code=409,
+        )
+    if set(before) != set(after):
+        adapter.cohorts.set(list(after))
+        _record(
+            "adapter.cohorts_changed",
+            actor=actor,
+            adapter=adapter,
+            cohorts=sorted(after.values()),
+            added=sorted(after[pk] for pk in set(after) - set(before)),
+            removed=sorted(before[pk] for pk in dropped),
+        )
     return adapter
 
 

@@ -8,6 +8,7 @@ from django import template
 from django.utils import timezone
 
 from frontend import event_text, wording
+from frontend.forms import AdapterCohortsForm
 
 register = template.Library()
 
@@ -67,6 +68,17 @@ def version_label(version) -> str:
     if version is None:
         return "—"
     return f"{version.adapter.name} v{version.number}"
+
+
+@register.inclusion_tag("frontend/_adapter_cohorts_form.html", takes_context=True)
+def adapter_cohorts_form(context, adapter):
+    """The form that changes which cohorts ``adapter`` serves (admins), its boxes ticked as they are now."""
+    served = [cohort.pk for cohort in adapter.cohorts.all()]
+    return {
+        "csrf_token": context.get("csrf_token"),
+        "adapter": adapter,
+        "form": AdapterCohortsForm(initial={"cohorts": served}),
+    }
 
 
 @register.inclusion_tag("frontend/_confirm_form.html", takes_context=True)

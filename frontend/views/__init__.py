@@ -9,6 +9,7 @@ from frontend.views.accounts import (  # noqa: F401
     user_role,
     users,
 )
+from frontend.views.adapter_cohorts import adapter_cohorts  # noqa: F401
 from frontend.views.devices import (  # noqa: F401
     cohorts,
     device_action,

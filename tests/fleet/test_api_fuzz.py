@@ -38,6 +38,7 @@ RULES_BEYOND_THE_SCHEMA = {
     "POST /api/v1/adapters/{id}/versions/import/": "adapter_model must be a safetensors file matching the adapter",
     "PUT /api/v1/adapters/{id}/aggregation/": "settings depend on each other (min_deltas ≤ buffer_size, ...)",
     "PUT /api/v1/adapters/{id}/personalization/": "private_modules must be the adapter's own modules",
+    "PUT /api/v1/adapters/{id}/cohorts/": "cohorts must name existing cohorts, each once",
     "POST /api/v1/rollouts/": "version and cohort must exist; phase percents must rise",
     "POST /api/v1/rounds/": "adapter must name an existing adapter with a version",
     "POST /api/v1/device/heartbeat/": "metric names are at most 64 characters (OpenAPI 3.0 cannot bound key length); "

@@ -73,6 +73,8 @@ ENDPOINTS = [
     ("put", "/api/v1/adapters/999999/aggregation/", "operator", {"aggregation": {"strategy": "median"}}),
     ("get", "/api/v1/adapters/999999/personalization/", "viewer", None),
     ("put", "/api/v1/adapters/999999/personalization/", "operator", {"personalization": {"method": "none"}}),
+    ("get", "/api/v1/adapters/999999/cohorts/", "viewer", None),
+    ("put", "/api/v1/adapters/999999/cohorts/", "admin", {"cohorts": ["matrix"]}),
     ("get", "/api/v1/users/", "admin", None),
     ("post", "/api/v1/users/", "admin", {"username": "newbie", "role": "viewer"}),
 ]

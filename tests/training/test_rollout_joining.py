@@ -236,16 +236,31 @@ def test_the_api_and_pages_show_the_counts_live_then_as_recorded_when_it_complet
 
 
 @pytest.mark.django_db
-def test_auto_release_aborts_an_older_rollout_still_waiting_and_its_devices_get_the_new_version(
-    started, enrolled, versions
-):
-    device = enrolled("active", name="alpha")
+def test_auto_release_completes_an_older_rollout_that_only_waits_its_devices_superseded(started, enrolled, versions):
+    installed, waiting = enrolled("active", name="alpha"), enrolled("active", name="bravo")
     older = started([{"percent": 100}])
+    _install(older.assignments.get(device=installed.device))
     assert _tick(older)[0] == "waiting"
+    (newer,) = round_result_release(version=versions[1])
+    older.refresh_from_db()
+    assert older.state == "completed"
+    assert older.state_reason == "all phases done: 1 installed, 1 gone (superseded)"
+    superseded = older.assignments.get(device=waiting.device)
+    assert superseded.state == "superseded" and superseded.reason == f"superseded by v{versions[1].number}"
+    assert newer.state == "running" and newer.version == versions[1]
+    for device in (installed, waiting):
+        newest = Assignment.objects.filter(device=device.device).order_by("-seq").first()
+        assert newest.rollout == newer and newest.state == "pending"
+
+
+@pytest.mark.django_db
+def test_auto_release_aborts_an_older_rollout_still_in_its_phases(started, enrolled, versions):
+    device = enrolled("active", name="alpha")
+    older = started([{"percent": 100, "min_soak_seconds": 3600}])
+    assert _tick(older)[0] == "soaking"
     (newer,) = round_result_release(version=versions[1])
     older.refresh_from_db()
     assert older.state == "aborted" and older.state_reason == f"superseded by v{versions[1].number}"
     assert older.device_counts["pending"] == 1  # what it stood at when it was stopped
-    assert newer.state == "running" and newer.version == versions[1]
     newest = Assignment.objects.filter(device=device.device).order_by("-seq").first()
     assert newest.rollout == newer and newest.state == "pending"

@@ -141,8 +141,16 @@ class AdapterVersionSerializer(serializers.ModelSerializer):
 
 
 class SeedVersionSerializer(StrictTypesMixin, serializers.Serializer):
-    seed = serializers.IntegerField(min_value=0, max_value=2**63 - 1)
-    note = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+    seed = serializers.IntegerField(
+        min_value=0,
+        max_value=2**63 - 1,
+        help_text="Seeds the random generator of a fresh adapter: LoRA A initialised as PEFT does (Kaiming "
+        "uniform), B zero, modules to save copied from the base, so the adapted model starts equal to the base. "
+        "The same seed gives the same bytes (the same sha256) every time.",
+    )
+    note = serializers.CharField(
+        max_length=200, required=False, default="", allow_blank=True, help_text="Shown with the version."
+    )
 
 
 class ImportVersionSerializer(serializers.Serializer):  # multipart only: every value is a string

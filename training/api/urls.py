@@ -2,6 +2,7 @@ from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from training.api import views
+from training.api.cohort_views import AdapterCohortsView
 from training.api.delta_views import AdapterAggregationView, DeltaViewSet, DeviceDeltaView, RoundViewSet
 from training.api.device_views import DeviceBlobView
 from training.api.personalization_views import AdapterPersonalizationView
@@ -20,6 +21,7 @@ urlpatterns = [
     path("device/deltas/<str:sha256>/", DeviceDeltaView.as_view(), name="device-delta"),
     path("adapters/<int:pk>/aggregation/", AdapterAggregationView.as_view(), name="adapter-aggregation"),
     path("adapters/<int:pk>/personalization/", AdapterPersonalizationView.as_view(), name="adapter-personalization"),
+    path("adapters/<int:pk>/cohorts/", AdapterCohortsView.as_view(), name="adapter-cohorts"),
     path("device/assignment/", DeviceAssignmentView.as_view(), name="device-assignment"),
     path(
         "device/assignments/<int:assignment_id>/report/",
