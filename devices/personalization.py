@@ -86,7 +86,9 @@ def personal_report_record(*, device_id, personal: dict) -> PersonalizationRepor
     measured_at = datetime.fromtimestamp(personal["updated_at"], tz=UTC)
     with transaction.atomic():
         # One writer per device at a time (a REST heartbeat beside the socket's), so ``latest`` stays unique.
-        if not list(Device.objects.select_for_update(no_key=True).filter(pk=device_id).values_list("pk", flat=True)):
+        names = Device.objects.select_for_update(no_key=True).filter(pk=device_id).values_list("name", flat=True)
+        name = next(iter(names), None)
+        if name is None:
             return None
         reports = PersonalizationReport.objects.filter(device_id=device_id)
         if reports.filter(measured_at__gte=measured_at).exists():
@@ -109,15 +111,21 @@ def personal_report_record(*, device_id, personal: dict) -> PersonalizationRepor
         keep = settings.PERSONALIZATION_HISTORY
         oldest_kept = reports.order_by("-measured_at", "-id").values_list("measured_at", flat=True)[keep - 1 : keep]
         reports.filter(measured_at__lt=oldest_kept).delete()
-        transaction.on_commit(lambda: publish(LiveEvent(kind="device.personalization", data=_event(report))))
+        transaction.on_commit(lambda: publish(_event(report, name)))
     return report
 
 
-def _event(report: PersonalizationReport) -> dict:
-    return {
+def _event(report: PersonalizationReport, name: str) -> LiveEvent:
+    data = {
         "device": str(report.device_id),
+        "name": name,
         "adapter": report.adapter_name,
         "version": report.version_number,
         "serving": report.serving,
         "gain_points": report.gain_points,
     }
+    text = (
+        f"{name}'s own model: {report.gain_points:+.1f} points against {report.adapter_name} "
+        f"v{report.version_number}, serves {report.serving}"
+    )
+    return LiveEvent(kind="device.personalization", data=data, text=text)

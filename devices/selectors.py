@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from django.db.models import QuerySet
+from django.db.models import Avg, Count, F, Q, QuerySet
 
 from devices.models import DeviceStatus, PersonalizationReport
 
@@ -89,6 +89,28 @@ def summarize(reports: Iterable[Latest]) -> dict:
         "methods": dict(sorted(Counter(report.method for report in reports).items())),
         "histogram": [{"low": low, "high": high, "devices": counts[index]} for index, (low, high) in enumerate(bins)],
     }
+
+
+def personalization_headlines() -> list[dict]:
+    """Per adapter, from each non-retired device's latest report: how many devices report, their mean gain in
+    points, how many gain and how many serve their own model (one grouped query, whatever the fleet's size)."""
+    rows = (
+        PersonalizationReport.objects.filter(latest=True)
+        .exclude(device__status=DeviceStatus.RETIRED)
+        .values("adapter_name", "adapter_id")
+        .annotate(
+            devices=Count("id"),
+            mean_gain=Avg(F("personal_accuracy") - F("shared_accuracy")),
+            gaining=Count("id", filter=Q(personal_accuracy__gt=F("shared_accuracy"))),
+            serving_personal=Count("id", filter=Q(serving=PersonalizationReport.Serving.PERSONAL)),
+        )
+        .order_by("adapter_name")
+    )
+    headlines = []
+    for row in rows:
+        mean_gain = row.pop("mean_gain")
+        headlines.append({**row, "mean_gain_points": round(mean_gain * 100, 6)})
+    return headlines
 
 
 def adapter_personalization(adapter_id: int) -> dict:

@@ -6,6 +6,7 @@ from accounts.models import User
 from accounts.roles import Role
 from devices.models import Cohort, DeviceStatus
 from training.models import Adapter, AdapterVersion, Rollout
+from training.personalization_settings import METHODS, PERSONALIZATION_DEFAULTS, personalization_settings
 
 
 class ApiTokenForm(forms.Form):
@@ -175,3 +176,36 @@ class AdapterCohortsForm(forms.Form):
             "invalid_pk_value": "“%(pk)s” is not a cohort: nothing was changed.",
         },
     )
+
+
+class PersonalizationForm(forms.Form):
+    """An adapter's personalization setting (training.personalization_settings checks it as a whole). What an
+    operator leaves at its default is stored as "the default", so a later change of default reaches it."""
+
+    method = forms.ChoiceField(choices=[(method, method) for method in METHODS])
+    epochs = forms.IntegerField(min_value=1, max_value=100)
+    lr = forms.FloatField(min_value=0, label="Learning rate")
+    margin = forms.FloatField(
+        min_value=0, max_value=1, help_text="Accuracy the own model must gain before the device serves it."
+    )
+    min_val_samples = forms.IntegerField(
+        min_value=0, max_value=10000, label="Minimum validation samples", help_text="Before a device judges."
+    )
+    private_modules = forms.CharField(
+        required=False, max_length=2000, help_text="Comma separated; kept on the device by the private_modules method."
+    )
+
+    def __init__(self, *args, adapter: Adapter, **kwargs):
+        current = personalization_settings(adapter)
+        initial = {**current, "private_modules": ", ".join(current["private_modules"])}
+        super().__init__(*args, initial=initial, **kwargs)
+        # "lambda" is a Python keyword: the field is added under its name rather than declared.
+        self.fields["lambda"] = forms.FloatField(min_value=0, label="Lambda", help_text="Ditto's proximal weight.")
+        self.order_fields(["method", "lambda", "epochs", "lr", "margin", "min_val_samples", "private_modules"])
+
+    def clean_private_modules(self):
+        return [name.strip() for name in self.cleaned_data["private_modules"].split(",") if name.strip()]
+
+    def setting(self) -> dict:
+        """What to store: the values that differ from the defaults."""
+        return {name: value for name, value in self.cleaned_data.items() if value != PERSONALIZATION_DEFAULTS[name]}

@@ -123,6 +123,15 @@ class World:
             ("frontend:device-bulk", "post"): {"action": "quarantine", "device": [self.alpha.id]},
             ("frontend:device-action", "post"): {"action": "quarantine", "reason": "intruder"},
             ("frontend:rounds", "post"): {"adapter": self.adapter.pk},
+            ("frontend:adapter-detail", "post"): {
+                "method": "none",
+                "lambda": 0.1,
+                "epochs": 5,
+                "lr": 0.01,
+                "margin": 0.01,
+                "min_val_samples": 10,
+                "private_modules": "head",
+            },
             ("frontend:adapter-cohorts", "post"): {},  # nothing ticked: the adapter would serve no cohort
             ("frontend:rollout-create", "post"): {
                 "version": self.candidate.pk,

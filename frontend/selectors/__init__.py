@@ -37,6 +37,12 @@ from frontend.selectors.overview import (
     rounds_in_progress,
     versions_in_use,
 )
+from frontend.selectors.personalization import (
+    DevicePersonal,
+    adapter_personalization,
+    device_personalization,
+    personalization_headlines,
+)
 from frontend.selectors.training import (
     AdapterDetail,
     LineageRow,
@@ -65,6 +71,7 @@ __all__ = [
     "DELTAS_PER_PAGE",
     "DEVICES_PER_PAGE",
     "DeviceDetail",
+    "DevicePersonal",
     "LINEAGE_LIMIT",
     "LineageRow",
     "RECENT_ACTIVITY",
@@ -77,6 +84,7 @@ __all__ = [
     "VERSION_CHOICES_LIMIT",
     "adapter_detail",
     "adapter_list",
+    "adapter_personalization",
     "adapters_for_rounds",
     "base_model_list",
     "cohort_list",
@@ -84,9 +92,11 @@ __all__ = [
     "device_counts",
     "device_detail",
     "device_list",
+    "device_personalization",
     "enrollment_token_list",
     "metric_series",
     "paginate",
+    "personalization_headlines",
     "recent_activity",
     "rejected_deltas",
     "rollout_detail",

@@ -24,6 +24,7 @@ from fleet.api.errors import ApiError
 from frontend import selectors
 from frontend.forms import CohortForm, DeviceFilterForm, EnrollmentTokenForm
 from frontend.views.common import redirect_back, run_service
+from frontend.views.personalization import device_personalization_context
 
 # The lowest role that may take each device action: the same as the devices API.
 DEVICE_ACTION_ROLES = {
@@ -137,7 +138,12 @@ def device_detail(request, pk):
     return render(
         request,
         "frontend/device_detail.html",
-        {"d": detail, "device": detail.device, "actions": device_actions_for(request.user, detail.device)},
+        {
+            "d": detail,
+            "device": detail.device,
+            "actions": device_actions_for(request.user, detail.device),
+            **device_personalization_context(detail.device.pk),
+        },
     )
 
 

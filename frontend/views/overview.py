@@ -22,5 +22,6 @@ def overview(request):
             "rounds": selectors.rounds_in_progress(),
             "rejected": selectors.rejected_deltas(),
             "activity": selectors.recent_activity(),
+            "personalization": selectors.personalization_headlines(),
         },
     )

@@ -18,6 +18,11 @@ from frontend import selectors
 from frontend.charts import line_chart
 from frontend.forms import RolloutForm, RoundOpenForm
 from frontend.views.common import redirect_back, run_service
+from frontend.views.personalization import (
+    adapter_personalization_context,
+    personalization_form,
+    personalization_save,
+)
 from training.models import Rollout, Round
 from training.rollouts import (
     rollout_abort,
@@ -43,16 +48,27 @@ def models(request):
 
 @role_required(Role.VIEWER)
 def adapter_detail(request, pk: int):
+    """The adapter; a POST (operators) changes its personalization setting."""
     detail = selectors.adapter_detail(pk)
     if detail is None:
         raise Http404("No such adapter.")
+    form = personalization_form(request, detail.adapter)
+    if request.method == "POST" and personalization_save(request, detail.adapter, form):
+        return redirect("frontend:adapter-detail", pk)
     charts = [
         line_chart(METRIC_TITLES.get(name, name), points, metric=name) for name, points in detail.series.items()
     ]
     return render(
         request,
         "frontend/adapter_detail.html",
-        {"d": detail, "adapter": detail.adapter, "charts": charts, "can_export": has_role(request.user, Role.OPERATOR)},
+        {
+            "d": detail,
+            "adapter": detail.adapter,
+            "charts": charts,
+            "can_export": has_role(request.user, Role.OPERATOR),
+            **adapter_personalization_context(request, detail.adapter, form),
+        },
+        status=400 if form.errors else 200,
     )
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from devices.models import Cohort, Device, DeviceStatus
-from devices.personalization import personal_report_record
 from devices.selectors import Latest, summarize
 from tests.frontend.conftest import make_devices
+from tests.personal_support import NOW
+from tests.personal_support import measure as _report
 
 pytestmark = pytest.mark.django_db
 
-NOW = 1764040000.0
 # device: (cohort, shared, personal, serving, method); gains +12, 0, -0.4, -30, +55, +5 points
 KNOWN = {
     "d1": ("eu-phones", 0.81, 0.93, "personal", "ditto"),
@@ -25,23 +25,6 @@ KNOWN = {
 }
 
 
-def _report(
-    device, *, at: float, shared: float, personal: float, serving="personal", method="ditto", adapter="digits-lora"
-):
-    figures = {
-        "adapter": adapter,
-        "version": 2,
-        "method": method,
-        "serving": serving,
-        "shared_accuracy": shared,
-        "personal_accuracy": personal,
-        "val_samples": 40,
-        "trained_samples": 160,
-        "updated_at": at,
-    }
-    return personal_report_record(device_id=device.pk, personal=figures)
-
-
 @pytest.fixture
 def known_fleet(adapter, cohort):
     other = Cohort.objects.create(name="us-tablets")
@@ -49,8 +32,8 @@ def known_fleet(adapter, cohort):
     for name, (cohort_name, shared, personal, serving, method) in KNOWN.items():
         (device,) = make_devices(cohort if cohort_name == "eu-phones" else other, 1, prefix=name)
         # An older measurement first: only the newest counts for the fleet's figures.
-        _report(device, at=NOW - 600, shared=0.1, personal=0.9)
-        _report(device, at=NOW, shared=shared, personal=personal, serving=serving, method=method)
+        _report(device, at=NOW - 600, shared=0.1, personal=0.9, version=2)
+        _report(device, at=NOW, shared=shared, personal=personal, serving=serving, method=method, version=2)
         devices[name] = device
     (retired,) = make_devices(cohort, 1, prefix="gone", status=DeviceStatus.RETIRED)
     _report(retired, at=NOW, shared=0.9, personal=0.1)

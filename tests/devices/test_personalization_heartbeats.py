@@ -15,24 +15,8 @@ from devices.models import PersonalizationReport
 from devices.personalization import parse_personal
 from edge_agent.protocol import CloseCode, encode
 from tests.devices.test_agent_socket import expect_refusal, hello, open_socket
-
-NOW = 1764040000.0
-
-
-def personal(**changes) -> dict:
-    return {
-        "adapter": "digits-lora",
-        "version": 3,
-        "method": "ditto",
-        "serving": "personal",
-        "shared_accuracy": 0.81,
-        "personal_accuracy": 0.93,
-        "val_samples": 40,
-        "trained_samples": 160,
-        "updated_at": NOW,
-        **changes,
-    }
-
+from tests.personal_support import NOW
+from tests.personal_support import figures as personal
 
 BAD_PERSONAL = [
     ("not an object", "personal must be an object"),
