@@ -341,6 +341,7 @@ def test_live_events_update_the_page_without_a_reload_and_a_resync_rereads_it(br
     line = page.inner_text("#activity li[data-kind='device.online']")  # in words, at a UTC time
     assert re.fullmatch(rf"\d\d:\d\d:\d\d UTC {device.name} came online", line), line
     assert page.get_attribute("#activity li[data-kind='device.online'] a", "href") == f"/devices/{device.pk}/"
+    ui.screenshot("overview-live-feed-desktop")
 
     # A delta verified in the round: its page shows the new progress with no reload.
     ui.visit(f"/rounds/{world.round.pk}/")
