@@ -1,15 +1,22 @@
 """The dashboard's live socket over the real Redis channel layer."""
 
+import time
+
 import pytest
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
+from devices import presence
 from devices.models import Device
+from devices.tasks import flush_presence
 from fleet.asgi import application
 from frontend.consumers import CLOSE_UNAUTHENTICATED
 from frontend.live import LiveEvent, apublish
+from tests.frontend.conftest import make_deltas, make_devices, make_versions
+from training.live import delta_payload
+from training.models import Delta
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -119,12 +126,6 @@ def test_publish_from_sync_code_reaches_the_dashboard_on_one_long_lived_loop(mak
 
 
 def test_presence_changes_reach_the_dashboard_with_the_devices_name(make_user, cohort):
-    import time
-
-    from devices import presence
-    from devices.tasks import flush_presence
-    from tests.frontend.conftest import make_devices
-
     cookie = _session_cookie(make_user("viewer"))
     (device,) = make_devices(cohort, 1, prefix="kiosk")
     Device.objects.filter(pk=device.pk).update(online=False)
@@ -147,10 +148,6 @@ def test_presence_changes_reach_the_dashboard_with_the_devices_name(make_user, c
 def test_a_delta_event_names_its_device_when_the_row_came_with_it_and_never_queries_for_it(
     cohort, adapter, django_assert_num_queries
 ):
-    from tests.frontend.conftest import make_deltas, make_devices, make_versions
-    from training.live import delta_payload
-    from training.models import Delta
-
     (device,) = make_devices(cohort, 1, prefix="demo")
     (version,) = make_versions(adapter, 1)
     (delta,) = make_deltas([device], adapter, version, 1)

@@ -4,12 +4,14 @@ on the ``pages_world`` of conftest.py (every page for every role is in test_page
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from devices.models import Cohort
-from tests.frontend.conftest import make_versions
-from training.models import Rollout, Round, TrainingEvent
+from tests.frontend.conftest import make_deltas, make_devices, make_versions
+from training.models import Delta, Rollout, Round, TrainingEvent
 from training.rounds import round_open
 
 pytestmark = pytest.mark.django_db
@@ -111,13 +113,6 @@ def test_round_detail_lists_every_delta_that_joined_and_offers_actions_by_role(p
 def test_rounds_count_the_adapters_deltas_rejected_while_they_collected_not_a_rejected_count_that_is_always_0(
     adapter, cohort, client_for, make_user
 ):
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    from tests.frontend.conftest import make_deltas, make_devices
-    from training.models import Delta
-
     (version,) = make_versions(adapter, 1)
     devices = make_devices(cohort, 3)
     now = timezone.now()

@@ -5,6 +5,7 @@ each change leaves an ``adapter.cohorts_changed`` event."""
 from __future__ import annotations
 
 import pytest
+from django.test import Client
 
 from devices.services import cohort_create
 from tests.frontend.conftest import make_versions
@@ -19,7 +20,6 @@ URL = "/api/v1/adapters/{}/cohorts/"
 @pytest.fixture
 def client_for(make_user):
     """``client_for("admin")``: a browser-like client signed in with that role."""
-    from django.test import Client
 
     def make(role: str) -> Client:
         client = Client()
