@@ -228,6 +228,8 @@ def cmd_configure(args) -> int:
     from edge_agent.runtime import AgentConfig
 
     config = AgentConfig.load(args.home)
+    if args.data == "app":
+        config.data = {"kind": "app"}  # samples only from the application: the inbox, add-samples, the Python API
     if args.simulate_device:
         index, _, total = args.simulate_device.partition("/")
         config.data = {"kind": "simulated", "device_index": int(index), "num_devices": int(total or 10)}
@@ -319,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.set_defaults(handler=cmd_predict)
 
     configure = commands.add_parser("configure", help="local settings (stored in <home>/settings.json)")
+    configure.add_argument("--data", choices=["app"], help="app: samples only from the device's application")
     configure.add_argument("--simulate-device", metavar="INDEX/TOTAL", help="demo data: this device's shard")
     configure.add_argument("--alpha", type=float, help="Dirichlet alpha of the simulated shards")
     configure.add_argument("--power", choices=["sysfs", "simulated"])

@@ -255,6 +255,7 @@ class DeviceRuntime:
             val_samples=int(outcome.shared.get("samples", 0)),
             trained_samples=len(train.get("y", ())) if train else 0,
             pending=None,
+            notes=outcome.result.notes if outcome.result is not None else [],
         )
         logger.info(
             "personal model (%s) on %s v%s: shared %.3f, personal %.3f; serving %s",
