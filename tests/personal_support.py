@@ -3,6 +3,8 @@ real service (tests/devices/test_personalization_*.py, tests/frontend/test_perso
 
 from __future__ import annotations
 
+from devices.personalization import personal_report_record
+
 NOW = 1764040000.0  # 2025-11-25 03:06:40 UTC
 
 
@@ -24,7 +26,5 @@ def figures(**changes) -> dict:
 
 def measure(device, *, at: float, shared: float, personal: float, **changes):
     """Store one measurement of ``device`` as a heartbeat would (``devices.personalization``)."""
-    from devices.personalization import personal_report_record
-
     values = figures(updated_at=at, shared_accuracy=shared, personal_accuracy=personal, **changes)
     return personal_report_record(device_id=device.pk, personal=values)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
+from rest_framework.test import APIClient
 
 from devices import presence
 from devices.models import PersonalizationReport
@@ -154,8 +155,6 @@ def test_a_heartbeat_with_bad_figures_closes_the_socket_and_stores_nothing(enrol
 
 @pytest.mark.django_db
 def test_the_rest_heartbeat_stores_a_new_measurement_once_and_refuses_bad_figures(enrolled, adapter, device_token):
-    from rest_framework.test import APIClient
-
     device = enrolled("active")
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Device {device_token(device)}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from devices.models import Cohort
+from tests.frontend.conftest import make_devices
 from tests.frontend.test_browser import (  # noqa: F401  (fixtures: the server, the browser, the ORM beside them)
     DESKTOP,
     PASSWORD,
@@ -31,9 +33,6 @@ def _measure(device, *, at: float, shared: float, personal: float, serving: str 
 @pytest.fixture
 def fleet(transactional_db, cohort, adapter, make_user):
     """Twelve devices in two cohorts reporting their own models (eleven gain), the first with a history."""
-    from devices.models import Cohort
-    from tests.frontend.conftest import make_devices
-
     for role in ("viewer", "operator", "admin"):
         make_user(role, username=f"ui-{role}", password=PASSWORD)
     adapter.cohorts.add(cohort)
