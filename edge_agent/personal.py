@@ -220,8 +220,9 @@ class PersonalStore:
     def report(self) -> dict | None:
         """The heartbeat's ``personal`` object (edge_agent/PROTOCOL.md), or None before the first measurement."""
         state = self.state()
-        if "shared_accuracy" not in state:
-            return None
+        measured = (state.get("shared_accuracy"), state.get("personal_accuracy"))
+        if not all(isinstance(v, int | float) and math.isfinite(v) for v in measured):
+            return None  # not measured yet, or nothing to measure on (no validation samples)
         fields = ("adapter", "version", "method", "serving", "shared_accuracy", "personal_accuracy", "val_samples",
                   "trained_samples", "updated_at")  # fmt: skip
         return {key: state.get(key) for key in fields}
