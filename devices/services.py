@@ -85,7 +85,7 @@ def device_enroll(
     except ValueError as exc:
         raise EnrollmentRefused("invalid_public_key", f"public_key: {exc}", status_code=400) from None
 
-    enrollment = EnrollmentToken.objects.select_for_update().filter(token_hash=_hash(token)).first()
+    enrollment = EnrollmentToken.objects.select_for_update(no_key=True).filter(token_hash=_hash(token)).first()
     if enrollment is None:
         raise EnrollmentRefused("enrollment_token_invalid", "Unknown enrollment token.", status_code=401)
     if enrollment.revoked_at is not None:
@@ -146,7 +146,7 @@ def device_transition(*, device: Device, action: str, actor, reason: str = "") -
     if action not in _TRANSITIONS:
         raise InvalidTransition(f"Unknown action {action!r}; use one of: {', '.join(DEVICE_ACTIONS)}.")
     allowed_from, target, kind = _TRANSITIONS[action]
-    current = Device.objects.select_for_update().get(pk=device.pk)
+    current = Device.objects.select_for_update(no_key=True).get(pk=device.pk)
     previous = current.status
     if previous not in allowed_from:
         raise InvalidTransition(f"Cannot {action} a device that is {previous}.")

@@ -16,11 +16,14 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from edge_agent.connection import AgentConnection, Backoff
+from edge_agent.families import get_family
+from edge_agent.families.common import pretrain
 from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.runtime import AgentConfig, DeviceRuntime, OutboxUploads
@@ -28,6 +31,9 @@ from edge_agent.runtime import AgentConfig, DeviceRuntime, OutboxUploads
 logger = logging.getLogger("fleet.demo")
 COHORTS = ("eu-phones", "us-wearables")
 ADAPTER = "digits-lora"
+BASE_CONFIG = {"seed": 1}
+FACTORY_FRACTION = 0.03  # of the digits train set; devices draw their shards from the rest
+ENROLL_ATTEMPTS = 6
 
 
 def _say(message: str) -> None:
@@ -45,9 +51,10 @@ def seed(*, devices: int) -> dict[str, str]:
     from training.services import adapter_create, base_model_create, version_create_seeded, version_transition
 
     cohorts = [Cohort.objects.filter(name=n).first() or cohort_create(name=n) for n in COHORTS]
-    base = BaseModel.objects.filter(name="digits").first() or base_model_create(
-        name="digits", family="digits-cnn", family_config={"seed": 1}
-    )
+    base = BaseModel.objects.filter(name="digits").first()
+    if base is None:
+        base = base_model_create(name="digits", family="digits-cnn", family_config=BASE_CONFIG, weights=factory_base())
+        _say(f"trained the digits-cnn base at the factory on {FACTORY_FRACTION:.0%} of the digits")
     adapter = Adapter.objects.filter(name=ADAPTER).first()
     if adapter is None:
         adapter = adapter_create(
@@ -58,13 +65,13 @@ def seed(*, devices: int) -> dict[str, str]:
             cohorts=cohorts,
             aggregation={
                 "strategy": "fedbuff",
-                "buffer_size": max(3, devices // 3),
+                "buffer_size": max(3, devices // 2),
                 "min_deltas": 2,
                 "round_timeout_seconds": 90,
                 "auto_release": True,
             },
         )
-        _say(f"created adapter {ADAPTER} (fedbuff, K={max(3, devices // 3)}, new versions released automatically)")
+        _say(f"created adapter {ADAPTER} (fedbuff, K={max(3, devices // 2)}, new versions released automatically)")
     if not adapter.versions.exists():
         version = version_create_seeded(adapter=adapter, seed=1, note="demo seed")
         version_transition(version=version, action="release", actor=None, reason="demo")
@@ -89,6 +96,18 @@ def seed(*, devices: int) -> dict[str, str]:
     return tokens
 
 
+def factory_base() -> bytes:
+    """The demo's base model weights: ``digits-cnn`` trained centrally on the factory part of the digits (a
+    second or two), so version 1 is already useful and the fleet's rounds start from a real model."""
+    from safetensors.torch import save as save_safetensors
+
+    family = get_family("digits-cnn")
+    model = family.build(BASE_CONFIG)
+    factory, _ = family.dataset({"factory_fraction": FACTORY_FRACTION, "part": "factory"})
+    pretrain(model, factory, seed=BASE_CONFIG["seed"])
+    return save_safetensors({key: value.contiguous() for key, value in model.state_dict().items()})
+
+
 class SabotagedRuntime(DeviceRuntime):
     """The misbehaving device: a real trained update, blown up 10,000 times (the server rejects it)."""
 
@@ -108,6 +127,13 @@ class DemoDevice:
     misbehaving: bool
 
     @property
+    def scenario(self) -> str:
+        """How this device's user differs (``digits_users``): half see the digits as they are (their own label
+        mix only), a quarter through their own sensor (rotation, scale, contrast), a quarter name two pairs of
+        labels their own way. The shared version serves the first half well; the others need their own."""
+        return ("label", "feature", "label", "concept")[self.index % 4]
+
+    @property
     def name(self) -> str:
         return f"demo-{self.index:02d}{'-rogue' if self.misbehaving else ''}"
 
@@ -119,6 +145,9 @@ class DemoDevice:
             "num_devices": self.total,
             "alpha": 0.5,
             "per_poll": 32,
+            "factory_fraction": FACTORY_FRACTION,
+            "scenario": self.scenario,
+            "wrap": True,
         }
         config.power = (
             {"kind": "simulated", "level": 70.0, "charging": False, "drain_per_hour": 30.0, "seed": self.index}
@@ -126,25 +155,36 @@ class DemoDevice:
             else {"kind": "simulated", "level": 100.0, "charging": True, "seed": self.index}
         )
         config.policy = {"min_new_samples": 32, "min_battery_percent": 30.0}
-        config.train = {"epochs": 6, "lr": 0.03, "replay_ratio": 0.25}
+        config.train = {"epochs": 3, "lr": 0.01, "replay_ratio": 0.25}
         config.train_interval_seconds = 4.0
         config.save(self.home)
         return config
 
 
 def _enroll(device: DemoDevice, server: str, token: str) -> AgentState:
+    """Enroll once (a device that has its state keeps it); a failure is reported and retried with backoff, so
+    a server that is still starting or refused one request does not leave a dead device in the demo."""
     from edge_agent.enroll import enroll
 
     if (device.home / STATE_FILE).exists():
         return AgentState.load(device.home)
-    state = enroll(
-        home=device.home,
-        server=server,
-        token=token,
-        name=device.name,
-        labels={"demo": "true", "power": "battery" if device.on_battery else "mains"},
-    )
-    return state
+    for attempt in range(1, ENROLL_ATTEMPTS + 1):
+        try:
+            return enroll(
+                home=device.home,
+                server=server,
+                token=token,
+                name=device.name,
+                labels={"demo": "true", "power": "battery" if device.on_battery else "mains", "user": device.scenario},
+            )
+        except Exception as error:  # noqa: BLE001  (any failure is reported and retried; the last is raised)
+            if attempt == ENROLL_ATTEMPTS:
+                _say(f"{device.name}: enrollment failed {attempt} times, giving up: {error}")
+                raise
+            wait = min(2.0**attempt, 30.0)
+            _say(f"{device.name}: enrollment failed ({error}); retrying in {wait:.0f}s")
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio.Event, gate: threading.Semaphore):
@@ -169,7 +209,11 @@ async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio
             try:
                 outcome = await asyncio.to_thread(train)
                 if outcome["status"] == "trained":
-                    _say(f"{device.name}: trained v{outcome.get('version')}, local {outcome.get('after')}")
+                    before, after = outcome.get("before") or {}, outcome.get("after") or {}
+                    _say(
+                        f"{device.name}: trained on v{outcome.get('version')}, local accuracy "
+                        f"{before.get('accuracy', float('nan')):.2f} -> {after.get('accuracy', float('nan')):.2f}"
+                    )
             except Exception:
                 logger.exception("%s: training failed", device.name)
             with contextlib.suppress(TimeoutError):

@@ -198,7 +198,9 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
         "shards": shards,
     }
     with transaction.atomic():
-        locked = Round.objects.select_for_update().filter(pk=round_.pk, state=Round.State.AGGREGATING).first()
+        locked = (
+            Round.objects.select_for_update(no_key=True).filter(pk=round_.pk, state=Round.State.AGGREGATING).first()
+        )
         if locked is None:
             return AdapterVersion.objects.filter(round=round_).first()
         try:
@@ -240,7 +242,7 @@ def _spend_dp(round_: Round) -> float:
     from training.rounds import dp_sample_rate
     from training.strategies.dp import dp_epsilon
 
-    adapter = Adapter.objects.select_for_update().get(pk=round_.adapter_id)
+    adapter = Adapter.objects.select_for_update(no_key=True).get(pk=round_.adapter_id)
     dp = dp_settings(adapter)
     step = [float(round_.params["dp"]["noise_multiplier"]), dp_sample_rate(adapter, round_.buffer_size), 1]
     history = [*adapter.dp_history, step]

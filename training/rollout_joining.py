@@ -36,7 +36,11 @@ def assignment_for_running_rollout(*, device: Device) -> Assignment | None:
         with transaction.atomic():
             # Under the rollout's lock, as its start and phase advances assign: one of them assigns the device,
             # never both, and an advance being committed right now is seen once it has committed.
-            rollout = Rollout.objects.select_for_update().select_related("version").get(pk=rollout_id)
+            rollout = (
+                Rollout.objects.select_for_update(no_key=True, of=("self",))
+                .select_related("version")
+                .get(pk=rollout_id)
+            )
             if rollout.state != Rollout.State.RUNNING or bucket >= rollout.phases[rollout.current_phase]["percent"]:
                 continue  # paused or finished meanwhile, or the device waits for a later phase
             if rollout.assignments.filter(device=device).exists():

@@ -124,7 +124,9 @@ def rollout_create(
 
 
 def _lock(rollout: Rollout) -> Rollout:
-    return Rollout.objects.select_for_update().select_related("version__adapter", "cohort").get(pk=rollout.pk)
+    # Only the rollout's row: FOR UPDATE on a join would lock its version, adapter and cohort rows too.
+    rows = Rollout.objects.select_for_update(no_key=True, of=("self",))
+    return rows.select_related("version__adapter", "cohort").get(pk=rollout.pk)
 
 
 def _set_state(rollout: Rollout, state: str, *, reason: str = "", **fields) -> None:
@@ -183,7 +185,7 @@ def assignment_create(
 ) -> Assignment:
     """Issue the device's next sequence number for ``version`` and supersede what it had not yet installed."""
     with transaction.atomic():
-        locked = Device.objects.select_for_update().get(pk=device.pk)
+        locked = Device.objects.select_for_update(no_key=True).get(pk=device.pk)
         seq = locked.assignment_seq + 1
         Device.objects.filter(pk=device.pk).update(assignment_seq=seq, desired_version=version)
         Assignment.objects.filter(device=device, state__in=ACTIVE).update(
@@ -240,7 +242,12 @@ def rollout_resume(*, rollout: Rollout, actor) -> Rollout:
 
 
 def _supersede_pending(rollout: Rollout, reason: str) -> int:
-    return rollout.assignments.filter(state__in=ACTIVE).update(state=Assignment.State.SUPERSEDED, reason=reason)
+    active = rollout.assignments.filter(state__in=ACTIVE)
+    # The devices first (in pk order), as assignment_create and assignment_report lock a device before its
+    # assignments: the other order deadlocked against a device's report when a new version superseded a rollout.
+    devices = Device.objects.select_for_update(no_key=True).filter(pk__in=active.values("device_id")).order_by("pk")
+    list(devices.values_list("pk", flat=True))
+    return active.update(state=Assignment.State.SUPERSEDED, reason=reason)
 
 
 @transaction.atomic
@@ -382,10 +389,11 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
     if not isinstance(reason, str) or len(reason) > 300:
         raise ApiError("invalid_reason", "reason must be a string of at most 300 characters", status_code=400)
     with transaction.atomic():
-        # The device row first, as assignment_create locks it before the device's assignments: the other order
-        # deadlocked when a report crossed a new version's assignment (auto_release).
-        Device.objects.select_for_update().filter(pk=device.pk).values_list("pk", flat=True).first()
-        assignment = Assignment.objects.select_for_update().filter(pk=assignment_id, device=device).first()
+        # The device row first, as assignment_create locks it before the device's assignments (the other order
+        # deadlocked when a report crossed a new version's assignments). Rows are locked FOR NO KEY UPDATE
+        # throughout: they serialise writers without blocking the foreign-key checks of rows that refer to them.
+        Device.objects.select_for_update(no_key=True).filter(pk=device.pk).values_list("pk", flat=True).first()
+        assignment = Assignment.objects.select_for_update(no_key=True).filter(pk=assignment_id, device=device).first()
         if assignment is None:
             raise ApiError("not_found", "No such assignment for this device.", status_code=404)
         allowed = {
@@ -422,7 +430,7 @@ def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
     staged, guarded rollouts leave ``auto_release`` off and roll out themselves."""
     from training.services import version_transition
 
-    version = AdapterVersion.objects.select_for_update().get(pk=version.pk)
+    version = AdapterVersion.objects.select_for_update(no_key=True).get(pk=version.pk)
     if version.state == AdapterVersion.State.REVOKED:
         return []
     if version.state == AdapterVersion.State.CANDIDATE:

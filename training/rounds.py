@@ -94,7 +94,7 @@ def round_open(
 
 
 def _round_create(*, adapter, actor, buffer_size, min_deltas, timeout_seconds) -> Round:
-    Adapter.objects.select_for_update().filter(pk=adapter.pk).first()
+    Adapter.objects.select_for_update(no_key=True).filter(pk=adapter.pk).first()
     adapter.refresh_from_db()
     settings_ = aggregation_settings(adapter)
     if adapter.rounds.filter(state=Round.State.COLLECTING).exists():
@@ -123,7 +123,9 @@ def _round_create(*, adapter, actor, buffer_size, min_deltas, timeout_seconds) -
 
 
 def _collecting(adapter_id: int) -> Round | None:
-    return only_row(Round.objects.select_for_update().filter(adapter_id=adapter_id, state=Round.State.COLLECTING))
+    return only_row(
+        Round.objects.select_for_update(no_key=True).filter(adapter_id=adapter_id, state=Round.State.COLLECTING)
+    )
 
 
 def round_admit(*, delta: Delta) -> Round | None:
@@ -246,7 +248,7 @@ def _close(round_: Round, reason: str, count: int, actor=None) -> bool:
 @transaction.atomic
 def round_close(*, round_: Round, actor) -> Round:
     """An operator closes a collecting round now (it needs at least one accepted delta)."""
-    locked = Round.objects.select_for_update().get(pk=round_.pk)
+    locked = Round.objects.select_for_update(no_key=True).get(pk=round_.pk)
     if locked.state != Round.State.COLLECTING:
         raise ApiError("invalid_transition", f"the round is {locked.state}, not collecting", status_code=409)
     count = _accepted_count(locked)
@@ -260,7 +262,7 @@ def round_close(*, round_: Round, actor) -> Round:
 @transaction.atomic
 def round_rerun(*, round_: Round, actor) -> Round:
     """Run a failed round's aggregation again, on the same deltas."""
-    locked = Round.objects.select_for_update().get(pk=round_.pk)
+    locked = Round.objects.select_for_update(no_key=True).get(pk=round_.pk)
     if locked.state != Round.State.FAILED:
         raise ApiError(
             "invalid_transition", f"only a failed round runs again; this one is {locked.state}", status_code=409
@@ -280,7 +282,7 @@ def close_due_rounds() -> int:
     due = Round.objects.filter(state=Round.State.COLLECTING, deadline__lte=timezone.now()).values_list("pk", flat=True)
     for pk in list(due):
         with transaction.atomic():
-            round_ = only_row(Round.objects.select_for_update().filter(pk=pk, state=Round.State.COLLECTING))
+            round_ = only_row(Round.objects.select_for_update(no_key=True).filter(pk=pk, state=Round.State.COLLECTING))
             if round_ is not None and _close_if_due(round_):
                 closed += 1
     return closed

@@ -135,7 +135,7 @@ def _evaluate(adapter: Adapter, tensors: dict) -> dict:
 
 
 def _next_number(adapter: Adapter) -> int:
-    Adapter.objects.select_for_update().filter(pk=adapter.pk).first()  # serialise numbering per adapter
+    Adapter.objects.select_for_update(no_key=True).filter(pk=adapter.pk).first()  # serialise numbering per adapter
     return (adapter.versions.aggregate(top=Max("number"))["top"] or 0) + 1
 
 
@@ -221,7 +221,7 @@ _TRANSITIONS = {
 @transaction.atomic
 def version_transition(*, version: AdapterVersion, action: str, actor, reason: str = "") -> AdapterVersion:
     allowed, target = _TRANSITIONS[action]
-    current = AdapterVersion.objects.select_for_update().get(pk=version.pk)
+    current = AdapterVersion.objects.select_for_update(no_key=True).get(pk=version.pk)
     if current.state not in allowed:
         raise ApiError("invalid_transition", f"Cannot {action} a version that is {current.state}.", status_code=409)
     AdapterVersion.objects.filter(pk=version.pk).update(state=target)
@@ -267,7 +267,7 @@ def adapter_set_cohorts(*, adapter: Adapter, actor, cohorts) -> Adapter:
     """Replace the cohorts an adapter serves (its devices train it, its rollouts go there). A cohort that a
     running or paused rollout of the adapter goes to cannot be dropped (409): abort or finish it first.
     Records ``adapter.cohorts_changed`` with what was added and removed; nothing when nothing changes."""
-    adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+    adapter = Adapter.objects.select_for_update(no_key=True).get(pk=adapter.pk)
     before = {cohort.pk: cohort.name for cohort in adapter.cohorts.all()}
     after = {cohort.pk: cohort.name for cohort in cohorts}
     dropped = set(before) - set(after)
@@ -313,7 +313,7 @@ def _personalization_checked(values, *, modules: list[str]) -> dict:
 def adapter_set_personalization(*, adapter: Adapter, actor, personalization: dict) -> Adapter:
     """Replace an adapter's personalization setting (what is left out takes the defaults). Manifests signed
     from now on carry it; devices already running a version get it with their next assignment."""
-    adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+    adapter = Adapter.objects.select_for_update(no_key=True).get(pk=adapter.pk)
     stored = _personalization_checked(personalization, modules=[*adapter.target_modules, *adapter.modules_to_save])
     if stored != adapter.personalization:
         previous = adapter.personalization
