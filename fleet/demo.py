@@ -156,7 +156,8 @@ class DemoDevice:
         )
         config.policy = {"min_new_samples": 32, "min_battery_percent": 30.0}
         config.train = {"epochs": 3, "lr": 0.01, "replay_ratio": 0.25}
-        config.train_interval_seconds = 4.0
+        config.train_interval_seconds = 8.0
+        config.train_window = 240  # the stream repeats the shard: a pass needs no more than two rounds of it
         config.save(self.home)
         return config
 
