@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import personalization_product  # noqa: F401  (registers the product's rows)
 import torch
 from personalization_data import Config, prepare_split
 from personalization_methods import METHODS, select

@@ -48,6 +48,13 @@ class Config:
     # forgetting: a reservoir of the earliest training samples, a share of every batch drawn from it
     replay_capacity: int = 32
     replay_share: float = 0.5
+    # the product's rows (bench/personalization_product.py) run the server's default personalization setting;
+    # these override it when set (a negative value: the default)
+    product_lambda: float = -1.0
+    product_epochs: int = -1
+    product_lr: float = -1.0
+    product_margin: float = -1.0
+    product_min_val_samples: int = -1
     # the factory base, trained centrally
     base_epochs: int = 40
     base_lr: float = 0.005
@@ -58,6 +65,12 @@ class Config:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def product_overrides(self) -> dict:
+        """The ``product_*`` settings that are set, named as the personalization setting names them."""
+        names = {"product_lambda": "lambda", "product_epochs": "epochs", "product_lr": "lr",
+                 "product_margin": "margin", "product_min_val_samples": "min_val_samples"}  # fmt: skip
+        return {setting: getattr(self, field) for field, setting in names.items() if getattr(self, field) >= 0}
 
 
 @dataclass

@@ -29,17 +29,19 @@ from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.personal import PersonalSettings, derive, personalize, private_keys
 from edge_agent.samples import ReplayBuffer, local_split
 from edge_agent.training import TrainConfig, train_adapter
+from training.personalization_settings import PERSONALIZATION_DEFAULTS  # plain Python: no Django needed
 
 FAMILY = DigitsCNN()
 TARGETS, SAVED = ("conv2", "fc1"), ("head",)
 METHOD_NAMES = ("ditto", "finetune", "private_modules")
-DEFAULT = "ditto"  # training.personalization_settings.PERSONALIZATION_DEFAULTS["method"] (the server's default)
+DEFAULT = PERSONALIZATION_DEFAULTS["method"]
 
 
 def settings(split: Split, method: str) -> PersonalSettings:
-    config = split.config
-    return PersonalSettings(method=method, lam=config.ditto_lambda, epochs=config.local_epochs, lr=config.lr_lora,
-                            margin=0.0, min_val_samples=1)  # fmt: skip
+    """The server's default personalization setting (what the product ships) with ``method``; ``--set``
+    overrides of the benchmark's ``product_*`` settings apply on top when given."""
+    values = {**PERSONALIZATION_DEFAULTS, "method": method, **split.config.product_overrides()}
+    return PersonalSettings.from_training({"personalization": values})
 
 
 def _train_config(split: Split, tag: int, epochs: int, **extra) -> TrainConfig:
@@ -61,8 +63,9 @@ class Devices:
         self.tests = [d["test"] for d in split.devices]
 
     def build(self, tensors, *, seed: int = 0):
-        return apply_adapter(copy.deepcopy(self.base), tensors, rank=self.split.config.rank,
-                             alpha=self.split.config.alpha, target_modules=TARGETS, modules_to_save=SAVED, seed=seed)  # fmt: skip
+        config = self.split.config
+        return apply_adapter(copy.deepcopy(self.base), tensors, rank=config.rank, alpha=config.alpha,
+                             target_modules=TARGETS, modules_to_save=SAVED, seed=seed)  # fmt: skip
 
     def accuracy(self, tensors_per_device) -> np.ndarray:
         out = []
@@ -196,6 +199,9 @@ for _method in METHOD_NAMES:
     register(f"product-{_method}", group="product", form="product",
              description=f"the product's {_method} (the served model: personal or shared, as the device chose)")(
         _row(_method))  # fmt: skip
+register("product-default", group="product", form="product",
+         description=f"the product as it ships: its default method ({DEFAULT}), served as the device chooses")(
+    _row(DEFAULT))  # fmt: skip
 register("product-shared", group="product", form="product", description="the shared version the product reaches")(
     _shared
 )

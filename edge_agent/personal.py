@@ -123,13 +123,16 @@ class PersonalOutcome:
 
 
 def choose(shared: dict, personal: dict, settings: PersonalSettings) -> str:
-    """Serve the personal model only where local validation says it helps: better by ``margin`` on at least
-    ``min_val_samples`` samples. No device is worse off for being personalized."""
+    """Which model the device serves. The personal one, unless local validation says it does not help: on at
+    least ``min_val_samples`` samples it is not better than the shared version by ``margin``. A device with
+    fewer validation samples than that cannot tell the two apart and keeps its personal model, which every
+    method keeps near the shared version or trains from it (bench/README.md, "personalization.py")."""
     if settings.method == "none" or not personal or not shared:
         return "shared"
-    enough = int(personal.get("samples", 0)) >= max(settings.min_val_samples, 1)
+    if int(personal.get("samples", 0)) < max(settings.min_val_samples, 1):
+        return "personal"
     better = personal.get("accuracy", float("nan")) >= shared.get("accuracy", float("nan")) + settings.margin
-    return "personal" if enough and better else "shared"
+    return "personal" if better else "shared"
 
 
 def personalize(

@@ -75,11 +75,11 @@ def test_a_new_shared_version_re_derives_the_personal_model_and_keeps_its_privat
     assert set(before) == set(after)
 
 
-def test_the_device_serves_the_shared_version_where_personal_does_not_help_by_the_margin():
+def test_the_device_serves_the_shared_version_where_enough_validation_says_personal_does_not_help():
     settings = PersonalSettings(method="ditto", margin=0.02, min_val_samples=10)
     assert choose({"accuracy": 0.90, "samples": 40}, {"accuracy": 0.91, "samples": 40}, settings) == "shared"
     assert choose({"accuracy": 0.90, "samples": 40}, {"accuracy": 0.95, "samples": 40}, settings) == "personal"
-    assert choose({"accuracy": 0.50, "samples": 5}, {"accuracy": 0.95, "samples": 5}, settings) == "shared"
+    assert choose({"accuracy": 0.95, "samples": 5}, {"accuracy": 0.50, "samples": 5}, settings) == "personal"
     assert choose({"accuracy": 0.5, "samples": 40}, {"accuracy": 0.9, "samples": 40}, PersonalSettings()) == "shared"
 
 
