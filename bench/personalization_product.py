@@ -27,6 +27,7 @@ from personalization_methods import Result, register
 from edge_agent.families.digits import DigitsCNN, DigitsNet
 from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.personal import PersonalSettings, derive, personalize, private_keys
+from edge_agent.runtime import JUDGE_MIN_SAMPLES
 from edge_agent.samples import ReplayBuffer, local_split
 from edge_agent.training import TrainConfig, train_adapter
 from training.personalization_settings import PERSONALIZATION_DEFAULTS  # plain Python: no Django needed
@@ -47,7 +48,8 @@ def settings(split: Split, method: str) -> PersonalSettings:
 def _train_config(split: Split, tag: int, epochs: int, **extra) -> TrainConfig:
     config = split.config
     return TrainConfig(epochs=epochs, lr=config.lr_lora, micro_batch=config.batch, max_grad_norm=config.clip,
-                       seed=split.seed * 1_000_003 + tag, refit=True, **extra)  # fmt: skip
+                       seed=split.seed * 1_000_003 + tag, refit=True, judge_min_samples=JUDGE_MIN_SAMPLES,
+                       **extra)  # fmt: skip
 
 
 class Devices:

@@ -167,7 +167,8 @@ def personalize(
         # A fixed budget of epochs, kept whole (the last epoch, not the best of a tiny validation slice by loss),
         # undone only if held-out accuracy got worse, then refit on all local data (TrainConfig.refit).
         run = replace(config, epochs=settings.epochs, lr=settings.lr, update_replay=False, metric="accuracy",
-                      min_delta=-1.0, patience=settings.epochs + 1, refit=True)  # fmt: skip
+                      min_delta=-1.0, patience=settings.epochs + 1, refit=True,
+                      judge_min_samples=settings.min_val_samples)  # fmt: skip
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
     tensors = {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model).items()}
     if result is not None and result.after and not result.discarded:

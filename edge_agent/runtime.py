@@ -32,6 +32,7 @@ CONFIG_FILE = "settings.json"
 LAST_TRAINING_FILE = "last_training.json"
 TRAINING_RUN_FILE = "training_run.json"  # the samples a training pass uses, until it has ended
 VAL_EVERY = 5  # every 5th sample in arrival order is local validation (local_split's val_fraction 0.2)
+JUDGE_MIN_SAMPLES = 10  # a smaller validation slice does not stop, pick or discard a pass (TrainConfig)
 
 
 @dataclass
@@ -207,7 +208,8 @@ class DeviceRuntime:
         return local_split(data, val_fraction=1 / VAL_EVERY)
 
     def _train_config(self, checkpoint_dir: Path) -> TrainConfig:
-        return TrainConfig(**{"refit": True, **self.config.train, "checkpoint_dir": checkpoint_dir})
+        defaults = {"refit": True, "judge_min_samples": JUDGE_MIN_SAMPLES}
+        return TrainConfig(**{**defaults, **self.config.train, "checkpoint_dir": checkpoint_dir})
 
     def _replay(self) -> ReplayBuffer:
         return ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))

@@ -62,6 +62,10 @@ class TrainConfig:
     # out on a device with little data (README, "Personalization"). The result still reports the held-out
     # figures of the first run.
     refit: bool = False
+    # A validation slice smaller than this is too small to judge by (a few samples decide by chance): the run
+    # then trains every epoch, keeps the last and never discards for being worse (only for diverging). It is
+    # still measured on the slice. 0: always judge.
+    judge_min_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -174,6 +178,9 @@ def train_adapter(
     val_data = {k: torch.as_tensor(v) for k, v in val_data.items()}
     n, has_val = size(train_data), size(val_data) > 0
     notes: list[str] = []
+    if has_val and size(val_data) < config.judge_min_samples:
+        notes.append(f"{size(val_data)} validation samples are too few to judge by: trained every epoch, kept")
+        config = replace(config, patience=config.epochs + 1, min_delta=-math.inf, discard_tolerance=math.inf)
     if config.gradient_checkpointing:
         enable = getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:
