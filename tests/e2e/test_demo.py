@@ -1,53 +1,87 @@
-"""The demo a new user sees: the run command seeds a setup and a fleet of 12 simulated devices running the
-real agent code; within five minutes at least three rounds complete and the adapter's accuracy on the
-server's evaluation set rises above version 1's (checked through the API the dashboard's chart reads)."""
+"""The demo a new user sees: the run command trains a base at the factory, seeds a setup and runs a fleet of 12
+simulated devices with the real agent code, whose users differ (their own label mix, sensor, or label names).
+
+Checked through the API the dashboard reads, as the first minutes of a new user went wrong before: every device
+enrolls (none left dead after a failed enrollment) and trains; rounds go on completing after each device has
+seen all of its first data (the samples keep coming); the shared version starts useful (trained at the factory)
+and stays above a stated level; devices report their personal model beside the shared one and most of those
+whose users differ serve their own; the misbehaving device is caught; and the server logs no 5xx at all.
+"""
 
 from __future__ import annotations
 
+import re
 import time
+from datetime import datetime
 
 import pytest
 
+from fleet.demo import plan
 from tests.e2e.support import drop_stack, free_port, stack_env, start_launcher, stop_launcher
 from tests.e2e.test_agent_lifecycle import _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+DEVICES = 12
+WATCH_SECONDS = 330  # past the three minutes after which the old demo ran dry
+SHARED_FLOOR = 0.70  # version 1 scores about 0.80; the fleet's versions stay above this
+SERVER_ERROR = re.compile(r"Internal Server Error|\" 5\d\d |ERROR django\.request|OperationalError|Traceback")
 
 
-def test_the_run_command_brings_up_a_demo_fleet_that_completes_rounds_and_improves_accuracy(tmp_path):
+def _pages(api: _Api, path: str) -> list[dict]:
+    status, body = api.call("GET", path)
+    assert status == 200, body
+    return body["results"]
+
+
+def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_models_without_a_server_error(
+    tmp_path,
+):
     env = stack_env(tmp_path, ROLLOUT_TICK_SECONDS="2")
     port = free_port()
     launcher = output = None
     try:
         started = time.monotonic()
-        launcher, output = start_launcher(env, port, demo_devices=12)
-        assert any("demo fleet: 12 simulated devices" in line for line in output.lines), output.tail()
+        launcher, output = start_launcher(env, port, demo_devices=DEVICES)
+        _say(f"ready in {time.monotonic() - started:.0f}s")
+        assert any(f"demo fleet: {DEVICES} simulated devices" in line for line in output.lines), output.tail()
         api = _Api(port, _admin_token(env))
-        deadline = started + 300
-        completed, versions = 0, []
-        while time.monotonic() < deadline:
-            status, rounds = api.call("GET", "/rounds/?state=completed&page_size=100")
-            completed = rounds.get("count", 0) if status == 200 else 0
-            status, listing = api.call("GET", "/adapter-versions/?adapter__name=digits-lora&page_size=200")
-            versions = sorted(listing.get("results", []), key=lambda v: v["number"]) if status == 200 else []
-            accuracies = [v["metrics"].get("eval_accuracy") for v in versions]
-            if completed >= 3 and len(accuracies) > 1 and max(accuracies[1:]) > accuracies[0] + 0.1:
-                break
-            time.sleep(5)
-        _say(
-            f"after {time.monotonic() - started:.0f}s: {completed} rounds; accuracy by version: "
-            + ", ".join(f"v{v['number']}={v['metrics'].get('eval_accuracy')}" for v in versions)
-        )
-        assert completed >= 3, output.tail(80)
-        assert versions[0]["metrics"]["eval_accuracy"] is not None
-        best = max(v["metrics"]["eval_accuracy"] for v in versions[1:])
-        assert best > versions[0]["metrics"]["eval_accuracy"] + 0.1, versions
+        time.sleep(max(0.0, WATCH_SECONDS - (time.monotonic() - started)))
+
+        devices = _pages(api, "/devices/?page_size=50")
+        assert len(devices) == DEVICES, [d["name"] for d in devices]
+        assert all(d["status"] == "active" and d["last_seen_at"] for d in devices), devices
+        assert not [line for line in output.lines if "enrollment failed" in line], output.tail()
+        said = [line.split("[demo] ", 1)[1] for line in output.lines if "[demo] " in line]
+        trained = {line.split(":", 1)[0] for line in said if ": trained on v" in line}
+        assert trained >= {d.name for d in plan(DEVICES, tmp_path)}, f"never trained: {sorted(trained)}"
+
+        rounds = _pages(api, "/rounds/?state=completed&page_size=200")
+        listed = _pages(api, "/adapter-versions/?adapter__name=digits-lora&page_size=500")
+        versions = sorted(listed, key=lambda v: v["number"])
+        accuracies = [v["metrics"].get("eval_accuracy") for v in versions]
+        _say(f"{len(rounds)} rounds in {WATCH_SECONDS}s; accuracy by version: {accuracies}")
+        assert len(rounds) >= 6, output.tail(80)
+        assert accuracies[0] >= 0.75, "version 1 is not a factory-trained base"
+        assert min(accuracies[-3:]) >= SHARED_FLOOR and max(accuracies[1:]) >= accuracies[0], accuracies
+        # Each device's first data (its shard) is all in after about a minute; rounds must go on well after.
+        last_closed = max(datetime.fromisoformat(r["closed_at"]).timestamp() for r in rounds if r.get("closed_at"))
+        assert time.time() - last_closed < 60, "no round completed in the last minute: the fleet stopped learning"
+
+        adapter = next(a for a in _pages(api, "/adapters/?search=digits-lora") if a["name"] == "digits-lora")
+        status, summary = api.call("GET", f"/adapters/{adapter['id']}/personalization/")
+        assert status == 200, summary
+        _say(f"personalization: {summary}")
+        fleet = summary["fleet"]
+        assert fleet["devices"] >= DEVICES - 2, summary
+        assert fleet["serving"]["personal"] >= 3, summary  # the sensor and label-name users at least
+        assert fleet["mean_gain_points"] > 5 and fleet["share_not_worse"] >= 0.9, summary
+
         status, rejected = api.call("GET", "/deltas/?state=rejected")
         assert status == 200 and rejected["count"] >= 1  # the misbehaving device is caught
-        assert {d["rejection_code"] for d in rejected["results"]} == {"norm_too_large"}
-        status, devices = api.call("GET", "/devices/?page_size=50")
-        assert devices["count"] == 12
+        assert "norm_too_large" in {d["rejection_code"] for d in rejected["results"]}
+        errors = [line for line in output.lines if SERVER_ERROR.search(line)]
+        assert not errors, "\n".join(errors[:20])
     finally:
         if launcher is not None:
             stop_launcher(launcher)
