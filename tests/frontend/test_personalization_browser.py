@@ -84,7 +84,7 @@ def test_an_operator_reads_the_fleet_figures_and_changes_the_method_with_screens
     assert form.locator("input[name=epochs]").input_value() == "8"
     adapter.refresh_from_db()
     assert adapter.personalization == {}
-    form.locator("input[name=lambda]").fill("0.1")
+    form.locator("input[name=lambda]").fill("1.0")
     form.locator("button[type=submit]").click()
     ui.page.wait_for_selector(".flash.success")
     assert "now personalizes with finetune" in ui.page.inner_text(".flash.success")

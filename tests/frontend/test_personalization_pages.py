@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db
 
 FORM = {
     "method": "ditto",
-    "lambda": "0.1",
+    "lambda": "1.0",
     "epochs": "5",
     "lr": "0.01",
     "margin": "0.01",
