@@ -227,5 +227,5 @@ def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_t
     html = client_for("viewer").get(f"/rollouts/{pages_world.rollout.pk}/").content.decode()
     assert re.search(r'data-phase="0">.*?current.*?1 / ' + str(len(assigned)), html, re.S)
     assert re.search(r'data-phase="1">.*?upcoming', html, re.S)
-    assert re.search(r'class="breached">\s*<td>eval_accuracy</td>\s*<td>≥ 0.8', html)
-    assert "0.5000 breached" in html and "failure_rate" in html
+    assert re.search(r'class="breached">\s*<td>eval_accuracy</td>\s*<td>≥ 80.0%', html)  # numbers for people
+    assert "50.0% breached" in html and "failure_rate" in html
