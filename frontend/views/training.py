@@ -55,9 +55,7 @@ def adapter_detail(request, pk: int):
     form = personalization_form(request, detail.adapter)
     if request.method == "POST" and personalization_save(request, detail.adapter, form):
         return redirect("frontend:adapter-detail", pk)
-    charts = [
-        line_chart(METRIC_TITLES.get(name, name), points, metric=name) for name, points in detail.series.items()
-    ]
+    charts = [line_chart(METRIC_TITLES.get(name, name), points, metric=name) for name, points in detail.series.items()]
     return render(
         request,
         "frontend/adapter_detail.html",
