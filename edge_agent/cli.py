@@ -147,7 +147,7 @@ def cmd_train_once(args) -> int:
         print(error, file=sys.stderr)
         return 1
     print(json.dumps(outcome, indent=2))
-    return 0 if outcome["status"] in ("trained", "skipped", "discarded") else 1
+    return 0 if outcome["status"] in ("trained", "skipped", "discarded", "personalized") else 1
 
 
 def cmd_export(args) -> int:
@@ -155,7 +155,7 @@ def cmd_export(args) -> int:
 
     from edge_agent.assignments import AdapterStore
     from edge_agent.lora import peft_config
-    from edge_agent.personal import PersonalStore
+    from edge_agent.personal import PersonalSettings, PersonalStore, derive
 
     current = AdapterStore(args.home).state().get("current")
     if not current or not current.get("training"):
@@ -171,6 +171,8 @@ def cmd_export(args) -> int:
                 "no personal model yet: it is made by the first training pass (edge-agent train-once)", file=sys.stderr
             )
             return 1
+        if state.get("method") == "private_modules":  # the device's modules on the installed body, as served
+            tensors = derive(load_file(current["path"]), tensors, PersonalSettings.from_training(training))
         what = f"the personal model ({state.get('method')}) on {what}"
     args.directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.directory / "adapter_model.safetensors"))

@@ -193,6 +193,16 @@ class PersonalStore:
     def checkpoint_dir(self) -> Path:
         return self.root / "checkpoints"
 
+    @property
+    def start_path(self) -> Path:
+        """The tensors a pending pass started from where they are nowhere else (``private_modules``: the shared
+        pass's own modules), so a pass cut short resumes from them, and so from its checkpoint."""
+        return self.root / "pending-start.safetensors"
+
+    def keep_start(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(self.start_path, save({k: v.contiguous() for k, v in sorted(tensors.items())}))
+
     def state(self) -> dict:
         try:
             return json.loads(self.state_path.read_text()) if self.state_path.exists() else {}

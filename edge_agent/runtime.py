@@ -227,9 +227,15 @@ class DeviceRuntime:
         personal = self.personal.tensors() if same else None
         if settings.method == "finetune" and state.get("version") != current["version"]:
             personal = None  # re-derived from the new shared version
+        pending = {"sha256": current["sha256"], "count": count}
+        resumed = state.get("pending") or {}
         if settings.method == "private_modules" and trained is not None:
             personal = trained
-        self.personal.save(None, pending={"sha256": current["sha256"], "count": count})
+            self.personal.keep_start(trained)  # nowhere else on disk: a pass cut short resumes from these
+            pending["start"] = True
+        elif resumed.get("start") and resumed.get("sha256") == current["sha256"] and self.personal.start_path.exists():
+            personal, pending["start"] = load_file(str(self.personal.start_path)), True
+        self.personal.save(None, pending=pending)
         train, val = self._recent(count)
         base_sha = self.adapters.state()["base_model_sha256"]
         outcome = personalize(
@@ -259,12 +265,25 @@ class DeviceRuntime:
             pending=None,
             notes=outcome.result.notes if outcome.result is not None else [],
         )
+        self.personal.start_path.unlink(missing_ok=True)
         logger.info(
             "personal model (%s) on %s v%s: shared %.3f, personal %.3f; serving %s",
             settings.method, current["adapter"], current["version"], state["shared_accuracy"],
             state["personal_accuracy"], state["serving"],
         )  # fmt: skip
         return state
+
+    def _measure_new_version(self, current: dict) -> dict:
+        """A shared version installed since the personal model was last measured, and no pass due: measure both
+        on local validation (no training) and choose again, so the device does not serve a pairing it never
+        judged (``private_modules``: its own modules were fitted to the previous version's body)."""
+        state = self.personal.state()
+        method = PersonalSettings.from_training(current["training"]).method
+        if method == "none" or not state.get("file") or state.get("pending") or not len(self.samples):
+            return {}
+        if state.get("shared_sha256") == current["sha256"]:
+            return {}
+        return {"personal": self.personal_pass(current, count=len(self.samples), train_personal=False)}
 
     def train_once(self, *, force: bool = False) -> dict:
         """One pass of the loop; returns (and records) what it decided and why."""
@@ -283,7 +302,7 @@ class DeviceRuntime:
                 new_samples = max(new_samples, self.policy.min_new_samples)  # only the power rules decide
             go, reason = self.policy.decide(new_samples=new_samples, power=self.power_state())
             if not go:
-                return self._note(status="skipped", reason=reason)
+                return self._note(status="skipped", reason=reason, **self._measure_new_version(current))
         if pending.get("sha256") == current.get("sha256") and int(pending.get("count", 0)) <= len(self.samples):
             personal = self.personal_pass(current, count=int(pending["count"]))
             return self._note(status="personalized", reason="finished a personal pass that was cut short",
