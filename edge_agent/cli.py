@@ -262,6 +262,7 @@ def cmd_status(args) -> int:
         connection["updated_seconds_ago"] = round(time.time() - connection.pop("updated_at"), 1)
     from edge_agent.assignments import AdapterStore
     from edge_agent.packaging import Outbox
+    from edge_agent.personal import PersonalStore
     from edge_agent.runtime import LAST_TRAINING_FILE, AgentConfig
 
     adapters = AdapterStore(args.home).state()
@@ -277,6 +278,7 @@ def cmd_status(args) -> int:
         "versions": {"current": adapters.get("current"), "previous": adapters.get("previous")},
         "outbox": outbox,
         "last_training": last,
+        "personal": {k: v for k, v in PersonalStore(args.home).state().items() if k not in ("file", "saved")},
         "next_training_check_in_seconds": (
             max(0.0, round(last["at"] + config.train_interval_seconds - time.time(), 1)) if last else 0.0
         ),
