@@ -88,6 +88,8 @@ def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> d
     """Note the agent's version and hardware when they changed; join a rollout in progress (or the last
     completed one) the device is not part of yet; return the newest assignment the device has not installed
     yet, as the message it should receive (one trip to the database thread per hello)."""
+    # Inside the function, as the existing import above: training imports devices at module level, so the
+    # socket reaches the rollouts this way until the architecture issue gives the two one direction.
     from training.delivery import assignment_message, current_assignment
     from training.rollout_joining import assignment_at_check_in
 
