@@ -80,6 +80,11 @@ def training_event(kind: str, detail: dict | None, adapter: str = "", version: A
         return f"adapter {adapter} created (rank {detail.get('rank', '?')})"
     if kind == "adapter.aggregation_changed":
         return f"{adapter}'s aggregation changed: {detail_text(detail) or 'no change'}"
+    if kind == "adapter.personalization_changed":
+        setting = detail.get("personalization") or {}
+        method = setting.get("method", "the default method")
+        rest = {k: v for k, v in setting.items() if k != "method"}
+        return f"{adapter} now personalizes with {method}" + (f" ({detail_text(rest)})" if rest else "")
     if kind == "adapter.cohorts_changed":
         served = ", ".join(detail.get("cohorts") or []) or "no cohort"
         return f"{adapter} now serves {served}"

@@ -87,6 +87,10 @@ def test_device_events_read_as_sentences_about_the_device_by_name(kind, detail, 
          "rollout 9 of digits-lora v3 moved to phase 2 (1 more device)"),
         ("adapter.cohorts_changed", {"cohorts": ["eu", "us"], "added": ["us"], "removed": []}, None,
          "digits-lora now serves eu, us"),
+        ("adapter.personalization_changed", {"personalization": {"method": "finetune", "epochs": 8}, "previous": {}},
+         None, "digits-lora now personalizes with finetune (epochs 8)"),
+        ("adapter.personalization_changed", {"personalization": {}, "previous": {"epochs": 8}}, None,
+         "digits-lora now personalizes with the default method"),
     ],
 )  # fmt: skip
 def test_training_events_read_as_sentences_with_adapter_and_version(kind, detail, version, sentence):
