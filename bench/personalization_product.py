@@ -34,14 +34,17 @@ from training.personalization_settings import PERSONALIZATION_DEFAULTS  # plain 
 
 FAMILY = DigitsCNN()
 TARGETS, SAVED = ("conv2", "fc1"), ("head",)
-METHOD_NAMES = ("ditto", "finetune", "private_modules")
+METHOD_NAMES = ("ditto", "ditto_pull_all", "finetune", "private_modules")
+# Rows that are a method with one setting changed: ditto as it was before release_classes (every class pulled).
+VARIANTS = {"ditto_pull_all": ("ditto", {"release_classes": False})}
 DEFAULT = PERSONALIZATION_DEFAULTS["method"]
 
 
 def settings(split: Split, method: str) -> PersonalSettings:
-    """The server's default personalization setting (what the product ships) with ``method``; ``--set``
-    overrides of the benchmark's ``product_*`` settings apply on top when given."""
-    values = {**PERSONALIZATION_DEFAULTS, "method": method, **split.config.product_overrides()}
+    """The server's default personalization setting (what the product ships) with ``method`` (or a variant's
+    method and its changes); ``--set`` overrides of the benchmark's ``product_*`` settings apply on top."""
+    method, changes = VARIANTS.get(method, (method, {}))
+    values = {**PERSONALIZATION_DEFAULTS, "method": method, **changes, **split.config.product_overrides()}
     return PersonalSettings.from_training({"personalization": values})
 
 
@@ -83,23 +86,27 @@ def _devices(split: Split) -> Devices:
 
 
 def federated(split: Split, private: bool) -> dict:
-    """The product's federated run: shared passes, FedAvg, and each device's personal pass every round (Ditto
-    on the plain run; the head phase of ``private_modules`` on the private one)."""
+    """The product's federated run: shared passes, FedAvg, and each device's personal passes every round: on
+    the plain run one per ditto row (``ditto``, ``ditto_pull_all``: the same shared passes serve both, as the
+    personal model never changes what is uploaded), on the private run the head phase of ``private_modules``.
+    Returns ``{"shared", "personal": {row: [per device]}, "served": {row: [per device]}}``."""
     key = ("product-federated", private)
     if key in split.cache:
         return split.cache[key]
     fleet, config = _devices(split), split.config
-    method = "private_modules" if private else "ditto"
-    personal_settings = settings(split, method)
+    rows = ("private_modules",) if private else ("ditto", "ditto_pull_all")
+    personal_settings = {row: settings(split, row) for row in rows}
     shared = dict(fleet.version1)
     hidden = private_keys(shared, SAVED) if private else set()
-    personal: list[dict | None] = [None] * config.devices
-    served: list[str] = ["shared"] * config.devices
+    personal: dict[str, list[dict | None]] = {row: [None] * config.devices for row in rows}
+    served: dict[str, list[str]] = {row: ["shared"] * config.devices for row in rows}
     discarded = 0
     for round_index in range(config.rounds):
-        deltas, weights, personal_next = [], [], []
+        deltas, weights = [], []
+        personal_next: dict[str, list] = {row: [] for row in rows}
         for d, (train, val) in enumerate(fleet.local):
-            model = fleet.build(derive(shared, personal[d], personal_settings) if private else shared)
+            own = personal["private_modules"][d] if private else None
+            model = fleet.build(derive(shared, own, personal_settings["private_modules"]) if private else shared)
             run = _train_config(split, round_index * 1000 + d, config.local_epochs)
             result = train_adapter(model, train, val, config=run, family=FAMILY)
             trained = adapter_tensors(model)
@@ -109,20 +116,22 @@ def federated(split: Split, private: bool) -> dict:
                 deltas.append({k: (trained[k] - shared[k]) if k not in hidden else torch.zeros_like(v)
                                for k, v in shared.items()})  # fmt: skip
                 weights.append(max(result.num_samples, 1))
-            outcome = personalize(
-                build=fleet.build, shared=shared, personal=trained if private else personal[d], train=train, val=val,
-                settings=personal_settings, family=FAMILY, config=_train_config(split, round_index * 1000 + d + 500, 1),
-            )  # fmt: skip
-            personal_next.append(outcome.tensors)
-            served[d] = outcome.serving
+            for row in rows:
+                outcome = personalize(
+                    build=fleet.build, shared=shared, personal=trained if private else personal[row][d], train=train,
+                    val=val, settings=personal_settings[row], family=FAMILY,
+                    config=_train_config(split, round_index * 1000 + d + 500, 1),
+                )  # fmt: skip
+                personal_next[row].append(outcome.tensors)
+                served[row][d] = outcome.serving
         personal = personal_next
         if deltas:
             total = float(sum(weights))
             shared = {k: v + sum(w * delta[k] for w, delta in zip(weights, deltas, strict=True)) / total
                       for k, v in shared.items()}  # fmt: skip
         if (round_index + 1) % 10 == 0:
-            print(f"  [{split.scenario} seed {split.seed}] product {method} round {round_index + 1}/{config.rounds}"
-                  f" ({discarded} updates discarded so far)", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"  [{split.scenario} seed {split.seed}] product {'/'.join(rows)} round {round_index + 1}/"
+                  f"{config.rounds} ({discarded} updates discarded so far)", file=sys.stderr, flush=True)  # fmt: skip
     split.cache[key] = {"shared": shared, "personal": personal, "served": served}
     return split.cache[key]
 
@@ -144,7 +153,11 @@ def finetuned(split: Split) -> dict:
 
 
 def _outcome(split: Split, method: str) -> dict:
-    return finetuned(split) if method == "finetune" else federated(split, private=method == "private_modules")
+    """``{"shared", "personal", "served"}`` of one row (per-device lists)."""
+    if method == "finetune":
+        return finetuned(split)
+    run = federated(split, private=method == "private_modules")
+    return {"shared": run["shared"], "personal": run["personal"][method], "served": run["served"][method]}
 
 
 def _row(method: str):
@@ -199,7 +212,8 @@ def _drift(replay: bool):
 
 for _method in METHOD_NAMES:
     register(f"product-{_method}", group="product", form="product",
-             description=f"the product's {_method} (the served model: personal or shared, as the device chose)")(
+             description=f"the product's {_method} (the served model: personal or shared, as the device chose)"
+                         + (f"; {VARIANTS[_method]}" if _method in VARIANTS else ""))(
         _row(_method))  # fmt: skip
 register("product-default", group="product", form="product",
          description=f"the product as it ships: its default method ({DEFAULT}), served as the device chooses")(

@@ -8,7 +8,12 @@ How it is made is the adapter's ``personalization`` setting, signed into the man
 - ``none``: no personal model; the device serves the shared version (the behaviour before personalization).
 - ``finetune``: the shared version fine-tuned on local data; re-derived from each new shared version.
 - ``ditto``: a personal adapter that lives across versions, trained with a pull ``lambda/2 ||p - s||^2`` toward
-  the installed shared adapter ``s``.
+  the installed shared adapter ``s``. With ``release_classes`` (the default) the pull is lifted from the
+  classifier's rows of the classes the device's own labels contradict: where the shared version calls at least
+  half of the device's samples of a class something else, that class's row and the rows of what it was called
+  train free. A user who names two digits the other way round gets a head of their own for those classes, while
+  every class the device agrees on (or has no samples of) stays pulled toward the shared head and is not
+  forgotten (bench/README.md, "personalization.py").
 - ``private_modules``: the named modules (the classifier head, say) stay on the device: the shared pass trains
   with the device's own copy of them and uploads no change to them; the personal model is the shared version
   with the device's modules in place, which are then trained alone on local data (FedPer / FedRep).
@@ -37,12 +42,15 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
+from edge_agent.families.common import LABEL, inputs, size, take
 from edge_agent.identity import atomic_write
 from edge_agent.lora_layers import PREFIX, adapter_parameters
 from edge_agent.training import TrainConfig, TrainResult, train_adapter
 
 logger = logging.getLogger("edge_agent.personal")
 METHODS = ("none", "finetune", "ditto", "private_modules")
+CLASSIFIER = "head"  # the module whose rows are the classes (a family may name another: ``classifier``)
+CONTRADICTED_SHARE = 0.5  # of a class's samples the shared version must call something else to release it
 PERSONAL_DIR = "personal"
 STATE_FILE = "state.json"
 
@@ -58,12 +66,15 @@ class PersonalSettings:
     lr: float = 0.01
     margin: float = 0.01
     min_val_samples: int = 10
+    release_classes: bool = True  # ditto: no pull on the classifier rows the device's labels contradict
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown personalization method {self.method!r}: use one of {list(METHODS)}")
         if not (math.isfinite(self.lam) and self.lam >= 0 and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError("personalization lambda must be >= 0 and lr > 0, both finite")
+        if not isinstance(self.release_classes, bool):
+            raise ValueError("personalization release_classes must be true or false")
 
     @classmethod
     def from_training(cls, training: dict | None) -> PersonalSettings:
@@ -99,15 +110,56 @@ def derive(shared: dict, personal: dict | None, settings: PersonalSettings) -> d
     }
 
 
+def classifier_keys(keys, family=None) -> list[str]:
+    """The adapter's tensors of the family's classifier module (trained in full as a module to save), whose
+    first dimension is the classes."""
+    prefix = f"{PREFIX}{getattr(family, 'classifier', CLASSIFIER)}."
+    return [key for key in keys if key.startswith(prefix) and ".lora_" not in key]
+
+
+@torch.no_grad()
+def contradicted_classes(model: nn.Module, data: dict, *, share: float = CONTRADICTED_SHARE) -> list[int]:
+    """The classes whose meaning on this device differs from the shared version's (``model``): for each label
+    the device has, if the model predicts another class for at least ``share`` of its samples, that label and
+    the classes it predicted instead. Sorted; empty when the device agrees with the shared version."""
+    n = size(data) if data else 0
+    if not n:
+        return []
+    was_training = model.training
+    model.eval()
+    try:
+        predicted = torch.cat([model(**inputs(take(data, slice(i, i + 256)))).argmax(-1) for i in range(0, n, 256)])
+    finally:
+        model.train(was_training)
+    labels = torch.as_tensor(data[LABEL])
+    released: set[int] = set()
+    for label in labels.unique().tolist():
+        called = predicted[labels == label]
+        wrong = called[called != label]
+        if len(wrong) and len(wrong) >= share * len(called):
+            released.update({int(label), *(int(c) for c in wrong.unique())})
+    return sorted(released)
+
+
 def proximal_penalty(
-    model: nn.Module, anchor: dict[str, torch.Tensor], lam: float
+    model: nn.Module, anchor: dict[str, torch.Tensor], lam: float, *, free_rows: dict[str, list[int]] | None = None
 ) -> Callable[[nn.Module], torch.Tensor]:
-    """Ditto's ``lambda/2 * ||p - s||^2`` over the adapter's trainable tensors, ``s`` = ``anchor``."""
+    """Ditto's ``lambda/2 * ||p - s||^2`` over the adapter's trainable tensors, ``s`` = ``anchor``; the rows
+    named in ``free_rows`` (key -> row indices along the first dimension) are left out of it."""
     anchors = {key: anchor[key].detach().clone() for key in adapter_parameters(model)}
+    weights = {}
+    for key, rows in (free_rows or {}).items():
+        weight = torch.ones(anchors[key].shape[0], dtype=anchors[key].dtype)
+        weight[[r for r in rows if 0 <= r < len(weight)]] = 0.0
+        weights[key] = weight.view(-1, *([1] * (anchors[key].dim() - 1)))
 
     def penalty(live: nn.Module) -> torch.Tensor:
         parameters = adapter_parameters(live)
-        return 0.5 * lam * sum(((parameters[k] - anchors[k]) ** 2).sum() for k in anchors)
+        total = 0.0
+        for key, value in anchors.items():
+            squared = (parameters[key] - value) ** 2
+            total = total + (squared * weights[key] if key in weights else squared).sum()
+        return 0.5 * lam * total
 
     return penalty
 
@@ -152,13 +204,18 @@ def personalize(
     (unless ``train_personal`` is false: then only measure), measure both models on ``val`` and choose.
     ``build(tensors)`` gives the base model carrying those adapter tensors. Used by the runtime and, on the
     same code path, by ``bench/personalization.py``."""
-    shared_metrics = family.evaluate(build(shared).eval(), val)
+    shared_model = build(shared).eval()
+    shared_metrics = family.evaluate(shared_model, val)
     if settings.method == "none":
         return PersonalOutcome(None, shared_metrics, {}, "shared")
     model = build(derive(shared, personal, settings))
-    result, penalty = None, None
+    result, penalty, notes = None, None, []
     if settings.method == "ditto":
-        penalty = proximal_penalty(model, shared, settings.lam)
+        released = contradicted_classes(shared_model, train) if settings.release_classes and train_personal else []
+        keys = classifier_keys(adapter_parameters(model), family) if released else []
+        penalty = proximal_penalty(model, shared, settings.lam, free_rows=dict.fromkeys(keys, released))
+        if keys:
+            notes.append(f"classes {released} train free of the pull: the device's labels contradict the shared one")
     if settings.method == "private_modules":
         private = private_keys(adapter_parameters(model), settings.private_modules)
         for key, parameter in adapter_parameters(model).items():
@@ -170,6 +227,7 @@ def personalize(
                       min_delta=-1.0, patience=settings.epochs + 1, refit=True,
                       judge_min_samples=settings.min_val_samples)  # fmt: skip
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
+        result.notes[:0] = notes
     tensors = {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model).items()}
     if result is not None and result.after and not result.discarded:
         personal_metrics = dict(result.after)  # held out: a refit run has seen the validation slice since

@@ -194,6 +194,11 @@ class PersonalizationForm(forms.Form):
     private_modules = forms.CharField(
         required=False, max_length=2000, help_text="Comma separated; kept on the device by the private_modules method."
     )
+    release_classes = forms.BooleanField(
+        required=False,
+        label="Release contradicted classes",
+        help_text="Ditto: no pull on the classes a device's own labels name differently from the shared version.",
+    )
 
     def __init__(self, *args, adapter: Adapter, **kwargs):
         current = personalization_settings(adapter)
@@ -201,7 +206,9 @@ class PersonalizationForm(forms.Form):
         super().__init__(*args, initial=initial, **kwargs)
         # "lambda" is a Python keyword: the field is added under its name rather than declared.
         self.fields["lambda"] = forms.FloatField(min_value=0, label="Lambda", help_text="Ditto's proximal weight.")
-        self.order_fields(["method", "lambda", "epochs", "lr", "margin", "min_val_samples", "private_modules"])
+        self.order_fields(
+            ["method", "lambda", "release_classes", "epochs", "lr", "margin", "min_val_samples", "private_modules"]
+        )
 
     def clean_private_modules(self):
         return [name.strip() for name in self.cleaned_data["private_modules"].split(",") if name.strip()]

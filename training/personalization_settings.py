@@ -8,7 +8,8 @@ rollouts"; edge_agent/PROTOCOL.md, "Assignments").
 
 Methods: ``none`` (the device serves the shared version), ``finetune`` (a copy of the shared version
 fine-tuned locally), ``ditto`` (a personal model kept near the shared one by a proximal term of weight
-``lambda``), ``private_modules`` (the modules named in ``private_modules`` stay on the device and are
+``lambda``, lifted from the classifier rows of the classes a device's labels contradict unless
+``release_classes`` is false), ``private_modules`` (the modules named in ``private_modules`` stay on the device and are
 never uploaded). ``epochs`` and ``lr`` are the personal model's training; the device serves it only when it
 beats the shared version by ``margin`` on at least ``min_val_samples`` held-out local samples.
 """
@@ -27,6 +28,9 @@ PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     "lr": 0.01,
     "margin": 0.01,  # accuracy the personal model must gain over the shared one before the device serves it
     "min_val_samples": 10,  # held-out local samples needed before the device judges between them
+    # ditto: no pull on the classifier rows of the classes the device's own labels contradict (bench/README.md,
+    # "personalization.py": users who name classes their own way gain 6 points, the others lose nothing)
+    "release_classes": True,
 }
 METHODS = ("none", "finetune", "ditto", "private_modules")
 MAX_PRIVATE_MODULES = 64
@@ -56,6 +60,7 @@ PERSONALIZATION_SCHEMA: dict[str, Any] = {
         "lr": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
         "margin": {"type": "number", "minimum": 0, "maximum": 1},
         "min_val_samples": {"type": "integer", "minimum": 0, "maximum": 10000},
+        "release_classes": {"type": "boolean"},
     },
 }
 
@@ -99,6 +104,8 @@ def validate_personalization(values: Any, *, modules: Iterable[str] | None) -> d
         raise ValueError("margin must be a number from 0 to 1")
     if not _whole(merged["min_val_samples"]) or not 0 <= merged["min_val_samples"] <= 10000:
         raise ValueError("min_val_samples must be a whole number from 0 to 10000")
+    if not isinstance(merged["release_classes"], bool):
+        raise ValueError("release_classes must be true or false")
     return dict(values)
 
 

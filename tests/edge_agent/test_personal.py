@@ -8,9 +8,19 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
+from edge_agent.lora_layers import adapter_parameters
 from edge_agent.packaging import Outbox
-from edge_agent.personal import PersonalSettings, PersonalStore, choose, private_keys
+from edge_agent.personal import (
+    PersonalSettings,
+    PersonalStore,
+    choose,
+    classifier_keys,
+    contradicted_classes,
+    private_keys,
+    proximal_penalty,
+)
 from tests.edge_agent.personal_support import device, install, training_manifest
+from tests.edge_agent.support import adapted
 
 METHOD = {
     "ditto": {"method": "ditto", "lambda": 0.05, "epochs": 6, "lr": 0.01},
@@ -89,3 +99,54 @@ def test_unknown_methods_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="lambda"):
         PersonalSettings.from_training({"personalization": {"method": "ditto", "lambda": float("nan")}})
     assert PersonalSettings.from_training({}).method == "none"
+
+
+class _Fixed(torch.nn.Module):
+    """A "shared version" that calls every sample the class in its ``x`` (one-hot logits)."""
+
+    def forward(self, x):
+        return torch.nn.functional.one_hot(x, 10).float()
+
+
+def test_contradicted_classes_are_the_labels_the_shared_version_calls_otherwise_and_what_it_calls_them():
+    # label 3: the shared version calls 2 of 3 samples 5 (contradicted); label 1: 1 of 3 called 7 (under half:
+    # agreed, so kept pulled); label 4: all agreed
+    data = {"x": torch.tensor([5, 5, 3, 7, 1, 1, 4, 4]), "y": torch.tensor([3, 3, 3, 1, 1, 1, 4, 4])}
+    assert contradicted_classes(_Fixed(), data) == [3, 5]
+    assert contradicted_classes(_Fixed(), {"x": torch.tensor([4]), "y": torch.tensor([4])}) == []
+    assert contradicted_classes(_Fixed(), {"x": torch.zeros(0, dtype=torch.long), "y": torch.zeros(0)}) == []
+
+
+def test_the_pull_leaves_released_rows_free_and_holds_the_others(digits, pretrained_base):
+    family, _, _ = digits
+    model = adapted(pretrained_base, family)
+    anchor = {k: v.detach().clone() for k, v in adapter_parameters(model).items()}
+    keys = classifier_keys(anchor, family)
+    assert keys == ["base_model.model.head.weight", "base_model.model.head.bias"]
+    with torch.no_grad():
+        for parameter in adapter_parameters(model).values():
+            parameter.add_(0.5)
+    penalty = proximal_penalty(model, anchor, 1.0, free_rows={key: [2, 7] for key in keys})
+    penalty(model).backward()
+    for key in keys:
+        gradient = adapter_parameters(model)[key].grad
+        assert float(gradient[[2, 7]].abs().max()) == 0.0
+        assert float(gradient[[0, 1, 3, 4, 5, 6, 8, 9]].abs().min()) > 0.0
+    body = [k for k in anchor if k not in keys]
+    assert all(float(adapter_parameters(model)[k].grad.abs().min()) > 0 for k in body)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_ditto_releases_the_classes_a_user_names_their_own_way(release, digits, pretrained_base, tmp_path):
+    """A concept user (two pairs of labels swapped): with release_classes the personal pass notes the classes it
+    freed and the personal model learns the user's names for them; without it every row stays pulled."""
+    family, _, _ = digits
+    setting = {"method": "ditto", "lambda": 1.0, "epochs": 6, "lr": 0.01, "release_classes": release}
+    install(tmp_path, pretrained_base, family, version=1, training=training_manifest(family, setting))
+    runtime = device(tmp_path, scenario="concept", index=1)
+    assert runtime.train_once()["status"] == "trained"
+    state = PersonalStore(tmp_path).state()
+    freed = [note for note in state["notes"] if "train free of the pull" in note]
+    assert bool(freed) == release, state["notes"]
+    if release:
+        assert state["personal_accuracy"] > state["shared_accuracy"] + 0.05, state

@@ -28,6 +28,7 @@ FORM = {
     "margin": "0.01",
     "min_val_samples": "10",
     "private_modules": "head",
+    "release_classes": "on",
 }
 
 
@@ -122,6 +123,11 @@ def test_an_operator_changes_the_setting_with_the_form_and_it_is_audited(client_
     assert private.status_code == 302
     adapter.refresh_from_db()
     assert adapter.personalization == {"method": "private_modules", "private_modules": ["head", "fc1"]}
+    unchecked = {key: value for key, value in FORM.items() if key != "release_classes"}
+    assert operator.post(f"/adapters/{adapter.pk}/", unchecked).status_code == 302  # a checkbox left unticked
+    adapter.refresh_from_db()
+    assert adapter.personalization == {"release_classes": False}
+    assert "pulled like every other class" in _text(operator.get(f"/adapters/{adapter.pk}/"))
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,8 @@ BAD_SETTINGS = [
     ('{"min_val_samples": -1}', "min_val_samples must be a whole number from 0 to 10000"),
     ('{"min_val_samples": 10001}', "min_val_samples must be a whole number from 0 to 10000"),
     ('{"min_val_samples": false}', "min_val_samples must be a whole number from 0 to 10000"),
+    ('{"release_classes": 1}', "release_classes must be true or false"),
+    ('{"release_classes": "yes"}', "release_classes must be true or false"),
     ('{"mu": 0.1}', "unknown personalization settings: ['mu']"),
     ('"ditto"', "must be a JSON object"),
     ('[{"method": "ditto"}]', "must be a JSON object"),
@@ -150,7 +152,7 @@ def test_the_manifest_signs_the_resolved_setting_and_the_agent_accepts_it(adapte
         )
 
     assert checked(1)["training"]["personalization"] == PERSONALIZATION_DEFAULTS
-    setting = {"method": "ditto", "lambda": 0.5, "epochs": 8}
+    setting = {"method": "ditto", "lambda": 0.5, "epochs": 8, "release_classes": False}
     api_client_for("operator").put(_url(adapter), {"personalization": setting}, format="json")
     adapter.refresh_from_db()
     manifest = checked(2)  # the same version, signed again: the new setting, and the signature holds
