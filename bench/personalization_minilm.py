@@ -48,7 +48,14 @@ from edge_agent.samples import local_split
 from training.personalization_settings import PERSONALIZATION_DEFAULTS
 
 FAMILY = MiniLMText()
-ROWS = ("version1", "product-shared", "product-ditto", "product-finetune", "product-private_modules")
+ROWS = (
+    "version1",
+    "product-shared",
+    "product-ditto",
+    "product-ditto_pull_all",
+    "product-finetune",
+    "product-private_modules",
+)
 GROUPS = {"all": "all devices", "plain": "plain devices", "concept": "concept devices (two topics swapped)"}
 COLUMNS = (("mean acc", "mean"), ("10th pct acc", "p10"), ("better than v1", "better"),
            ("not worse than v1", "not_worse"), ("personal model mean acc", "personal_mean"),
