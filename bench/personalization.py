@@ -194,6 +194,28 @@ def report(data: dict) -> None:
     )
 
 
+def merge(parts: list[dict]) -> dict:
+    """Runs of the same settings made by several processes (other scenarios, seeds or methods), as one run:
+    their runs together, the rows summarized again, the wall time of the longest and the CPU of all."""
+    if len(parts) == 1:
+        return parts[0]
+    configs = {json.dumps(part["config"], sort_keys=True) for part in parts}
+    if len(configs) > 1:
+        raise SystemExit("these runs used different settings: their figures cannot be put in one table")
+    runs = [run for part in parts for run in part["runs"]]
+    return {
+        **parts[0],
+        "command": " ; ".join(part["command"] for part in parts),
+        "seconds": max(part["seconds"] for part in parts),
+        "cpu_seconds": sum(part["cpu_seconds"] for part in parts),
+        "load_after": max((part["load_after"] for part in parts), key=lambda load: load[0]),
+        "seeds": sorted({seed for part in parts for seed in part["seeds"]}),
+        "rows": summarize(runs),
+        "runs_done": sum(part["runs_done"] for part in parts),
+        "runs": runs,
+    }
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     groups = sorted({m.group for m in METHODS.values()})
@@ -207,7 +229,13 @@ def parse_args(argv=None):
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--json", type=Path, default=RESULTS / "personalization.json")
-    parser.add_argument("--from-json", type=Path, help="print the tables of an earlier run's JSON file")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        help="print the tables of earlier runs' JSON files "
+        "(several: one table of all their runs, e.g. scenarios run as parallel processes)",
+    )
     args = parser.parse_args(argv)
     names = [m for m in args.methods.split(",") if m]
     try:
@@ -230,7 +258,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        report(json.loads(args.from_json.read_text()))
+        report(merge([json.loads(path.read_text()) for path in args.from_json]))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)

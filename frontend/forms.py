@@ -197,6 +197,7 @@ class PersonalizationForm(forms.Form):
     release_classes = forms.BooleanField(
         required=False,
         label="Release contradicted classes",
+        label_suffix="",  # the label follows its box (app.css): no colon
         help_text="Ditto: no pull on the classes a device's own labels name differently from the shared version.",
     )
 

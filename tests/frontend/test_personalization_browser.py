@@ -10,6 +10,7 @@ import pytest
 from devices.models import Cohort
 from tests.frontend.conftest import make_devices
 from tests.frontend.test_browser import (  # noqa: F401  (fixtures: the server, the browser, the ORM beside them)
+    CHECKBOX_GEOMETRY,
     DESKTOP,
     PASSWORD,
     PHONE,
@@ -74,6 +75,9 @@ def test_an_operator_reads_the_fleet_figures_and_changes_the_method_with_screens
     ui.page.locator("#personalization").screenshot(path=str(SCREENSHOTS / "personalization-section-desktop.png"))
 
     form = ui.page.locator("[data-testid=personalization-form]")
+    assert form.locator("input[name=release_classes]").is_checked()  # the default, shown as it is
+    geometry = ui.page.evaluate(CHECKBOX_GEOMETRY, "release_classes")
+    assert 0 <= geometry["label"]["left"] - geometry["box"]["right"] <= 12, geometry  # the box beside its label
     form.locator("select[name=method]").select_option("finetune")
     form.locator("input[name=epochs]").fill("8")
     form.locator("input[name=lambda]").fill("0")  # refused first: the page says why and keeps what was typed
