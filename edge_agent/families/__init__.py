@@ -9,7 +9,9 @@ A family is an object with:
 - ``dataset(config) -> (train, test)``: its demo data, each a dict of tensors with a common first dimension
   (the model's keyword inputs and the labels under ``"y"``); ``test`` is the server's evaluation set;
 - ``evaluate(model, data) -> {"accuracy": ..., "loss": ..., "samples": ...}`` on such a dict;
-- ``loss(model, batch) -> scalar tensor`` (what training minimises).
+- ``loss(model, batch) -> scalar tensor`` (what training minimises);
+- optionally ``classifier``: the module whose output rows are the classes (default ``head``), whose rows
+  ditto's ``release_classes`` frees class by class (``edge_agent.personal``).
 
 Built in: ``digits-cnn`` and ``minilm-text`` (imported only when asked for, so the digits family works
 without ``transformers``). New families plug in as ``package.module:attribute``.
