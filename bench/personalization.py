@@ -196,13 +196,19 @@ def report(data: dict) -> None:
 
 def merge(parts: list[dict]) -> dict:
     """Runs of the same settings made by several processes (other scenarios, seeds or methods), as one run:
-    their runs together, the rows summarized again, the wall time of the longest and the CPU of all."""
+    their runs together (a method of a scenario and seed once), the rows summarized again, the wall time of the
+    longest and the CPU of all."""
     if len(parts) == 1:
         return parts[0]
     configs = {json.dumps(part["config"], sort_keys=True) for part in parts}
     if len(configs) > 1:
         raise SystemExit("these runs used different settings: their figures cannot be put in one table")
-    runs = [run for part in parts for run in part["runs"]]
+    runs, seen = [], set()
+    for run in (run for part in parts for run in part["runs"]):
+        key = (run["scenario"], run["seed"], run["method"])
+        if key not in seen:  # a row two files both ran (version1) counts once, from the first that has it
+            seen.add(key)
+            runs.append(run)
     return {
         **parts[0],
         "command": " ; ".join(part["command"] for part in parts),
@@ -211,7 +217,7 @@ def merge(parts: list[dict]) -> dict:
         "load_after": max((part["load_after"] for part in parts), key=lambda load: load[0]),
         "seeds": sorted({seed for part in parts for seed in part["seeds"]}),
         "rows": summarize(runs),
-        "runs_done": sum(part["runs_done"] for part in parts),
+        "runs_done": sum(run["method"] != "_split" for run in runs),
         "runs": runs,
     }
 
