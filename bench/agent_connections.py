@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/agent_connections.py --connections 10000
 
-What it does (DESIGN.md, "Benchmarks", Connections):
+What it does (bench/README.md, "agent_connections.py", with the measured figures):
 
 1. Starts the whole product with the real launcher (``python -m fleet.launcher run --no-demo``) in a
    subprocess, on the machine's PostgreSQL (a fresh ``fleet_bench_conn_<random>`` database, created by the

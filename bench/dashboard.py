@@ -3,7 +3,7 @@
     .venv/bin/python bench/dashboard.py                        # 10,000 devices, 100,000 deltas, 1,000 versions
     .venv/bin/python bench/dashboard.py --runs 20 --explain    # + EXPLAIN ANALYZE of each page's slowest query
 
-What it does (DESIGN.md, "Benchmarks: what the figures mean"; the issue: "with 10,000 devices, 100,000
+What it does (bench/README.md, "dashboard.py", with the measured figures; the issue: "with 10,000 devices, 100,000
 deltas and 1,000 versions in the database, every page renders with a bounded number of queries and the
 overview in under 150 ms server time"):
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fleet_simulator.py --agents 2000 --rate 100 --delta-kb 300 --duration 75
 
-What it does (DESIGN.md, "Benchmarks", Ingest):
+What it does (bench/README.md, "fleet_simulator.py", with the measured figures):
 
 1. Makes one real delta per agent before anything is timed (``bench/fleetsim/deltas.py``: valid safetensors for
    the adapter's tensor spec, about ``--delta-kb`` KiB of float32; every upload rewrites its last value and signs

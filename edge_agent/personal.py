@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from edge_agent.families.common import LABEL, inputs, size, take
+from edge_agent.families.common import LABEL, batched_logits, size
 from edge_agent.identity import atomic_write
 from edge_agent.lora_layers import PREFIX, adapter_parameters
 from edge_agent.training import TrainConfig, TrainResult, train_adapter
@@ -117,20 +117,13 @@ def classifier_keys(keys, family=None) -> list[str]:
     return [key for key in keys if key.startswith(prefix) and ".lora_" not in key]
 
 
-@torch.no_grad()
 def contradicted_classes(model: nn.Module, data: dict, *, share: float = CONTRADICTED_SHARE) -> list[int]:
     """The classes whose meaning on this device differs from the shared version's (``model``): for each label
     the device has, if the model predicts another class for at least ``share`` of its samples, that label and
     the classes it predicted instead. Sorted; empty when the device agrees with the shared version."""
-    n = size(data) if data else 0
-    if not n:
+    if not data or not size(data):
         return []
-    was_training = model.training
-    model.eval()
-    try:
-        predicted = torch.cat([model(**inputs(take(data, slice(i, i + 256)))).argmax(-1) for i in range(0, n, 256)])
-    finally:
-        model.train(was_training)
+    predicted = torch.cat([logits.argmax(-1) for _, logits in batched_logits(model, data)])
     labels = torch.as_tensor(data[LABEL])
     released: set[int] = set()
     for label in labels.unique().tolist():
@@ -150,7 +143,7 @@ def proximal_penalty(
     weights = {}
     for key, rows in (free_rows or {}).items():
         weight = torch.ones(anchors[key].shape[0], dtype=anchors[key].dtype)
-        weight[[r for r in rows if 0 <= r < len(weight)]] = 0.0
+        weight[list(rows)] = 0.0
         weights[key] = weight.view(-1, *([1] * (anchors[key].dim() - 1)))
 
     def penalty(live: nn.Module) -> torch.Tensor:

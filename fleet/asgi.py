@@ -22,7 +22,8 @@ wsmask.install()  # client frames unmasked by numpy, not byte by byte (fleet/wsm
 
 # Each open WebSocket keeps ~100 objects tracked by the cyclic GC; with the default thresholds full
 # collections over thousands of connections stall the event loop for hundreds of milliseconds
-# (DESIGN.md, "Running it"). Collect the young generation far less often and freeze start-up objects.
+# (bench/agent_connections.py holds such a fleet open; bench/README.md, "agent_connections.py").
+# Collect the young generation far less often and freeze start-up objects.
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 100)

@@ -1,4 +1,4 @@
-"""Rounds: collecting accepted deltas and closing them for aggregation (DESIGN.md "Aggregation").
+"""Rounds: collecting accepted deltas and closing them for aggregation (README.md, "Deltas, verification and rounds").
 
 Every change to a round happens under a row lock on it, so deltas racing a close land either in the
 closing round (before the close) or in the next one (after it): none lost, none counted twice. Closing

@@ -1,4 +1,5 @@
-"""Verifying one received delta before it can count (DESIGN.md "Verification"), run by a Celery worker.
+"""Verifying one received delta before it can count (README.md, "Deltas, verification and rounds"), run by a
+Celery worker.
 
 The checks run in a fixed order and the first failure is stored as a stable ``rejection_code`` with a
 detail a person can act on. A rejected delta is kept (for forensics) and never aggregated. An accepted
@@ -172,9 +173,10 @@ def delta_verify(*, delta_id: int) -> Delta | None:
 
     The checks only read; every outcome is written by one conditional update at the end (``_finish``), so a
     second run, or a run racing this one, changes nothing. The counter is claimed by that same update: it
-    comes after the checks that precede it in DESIGN.md's order (bytes, signature, device, adapter), so a
-    delta that fails a later check still uses up its counter, and a replay is caught by the database's
-    ``UNIQUE(device, counter)`` however close together the two arrive."""
+    comes after the checks that precede it in the documented order (README.md, "Deltas, verification and
+    rounds": bytes, signature, device, adapter), so a delta that fails a later check still uses up its counter,
+    and a replay is caught by the database's ``UNIQUE(device, counter)`` however close together the two
+    arrive."""
     delta = only_row(Delta.objects.select_related("device__cohort").filter(pk=delta_id, state=Delta.State.RECEIVED))
     if delta is None or (attempts := delta_attempt([delta.pk]).get(delta.pk)) is None:
         return None

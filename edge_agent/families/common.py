@@ -57,19 +57,25 @@ def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tor
 
 
 @torch.no_grad()
-def classification_evaluate(model: nn.Module, data: dict[str, torch.Tensor], *, batch_size: int = 256) -> dict:
-    """``{"accuracy", "loss", "samples"}`` of the model on ``data``, in eval mode (its mode is restored)."""
+def batched_logits(model: nn.Module, data: dict[str, torch.Tensor], *, batch_size: int = 256):
+    """``(batch, logits)`` for ``data`` in slices of ``batch_size``, with the model in eval mode and no gradients
+    meanwhile (its mode is restored when the iteration ends)."""
     was_training = model.training
     model.eval()
-    total_loss, correct, n = 0.0, 0, size(data)
     try:
-        for start in range(0, n, batch_size):
+        for start in range(0, size(data), batch_size):
             batch = take(data, slice(start, start + batch_size))
-            logits = model(**inputs(batch))
-            total_loss += float(F.cross_entropy(logits, batch[LABEL], reduction="sum"))
-            correct += int((logits.argmax(-1) == batch[LABEL]).sum())
+            yield batch, model(**inputs(batch))
     finally:
         model.train(was_training)
+
+
+def classification_evaluate(model: nn.Module, data: dict[str, torch.Tensor], *, batch_size: int = 256) -> dict:
+    """``{"accuracy", "loss", "samples"}`` of the model on ``data``, in eval mode (its mode is restored)."""
+    total_loss, correct, n = 0.0, 0, size(data)
+    for batch, logits in batched_logits(model, data, batch_size=batch_size):
+        total_loss += float(F.cross_entropy(logits, batch[LABEL], reduction="sum"))
+        correct += int((logits.argmax(-1) == batch[LABEL]).sum())
     if n == 0:
         return {"accuracy": float("nan"), "loss": float("nan"), "samples": 0}
     return {"accuracy": correct / n, "loss": total_loss / n, "samples": n}

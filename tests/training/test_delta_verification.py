@@ -368,7 +368,8 @@ def test_a_delta_rejected_after_the_counter_check_still_uses_up_its_counter(setu
 def test_a_replay_that_also_fails_a_later_check_is_reported_as_a_replay(setup, make_user):
     adapter, _, _, _ = setup
     assert send(setup, encode_delta(small_delta(adapter, seed=6)), counter=11).state == Delta.State.ACCEPTED
-    # Counter reused and an unknown base version: the counter check comes first in DESIGN.md's order.
+    # Counter reused and an unknown base version: the counter check comes first in the documented order
+    # (README.md, "Deltas, verification and rounds").
     rejected(send(setup, encode_delta(small_delta(adapter, seed=7)), counter=11, base_version=42), "replayed_counter")
 
 

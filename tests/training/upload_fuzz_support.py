@@ -46,7 +46,8 @@ QUOTAS = {
     "non_finite": 600,
     "url_sha": 1100,
 }
-# Checks that come before the counter is claimed (DESIGN.md "Verification"): failing one never uses up a counter.
+# Checks that come before the counter is claimed (README.md, "Deltas, verification and rounds"): failing one
+# never uses up a counter.
 UNCLAIMED_CODES = {
     "too_large",
     "hash_mismatch",

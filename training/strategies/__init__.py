@@ -1,4 +1,5 @@
-"""Aggregation strategies (DESIGN.md "Aggregation"): pure torch + safetensors, no Django, no database.
+"""Aggregation strategies (README.md, "Deltas, verification and rounds"): pure torch + safetensors, no Django,
+no database.
 
 ``get_strategy(name).aggregate(inputs, spec=..., base=..., params=...)`` returns the aggregated delta
 (float32, every key of ``spec``) to add to ``base``. Shardable strategies also offer ``partial`` and
