@@ -352,6 +352,7 @@ PRESENCE_FLUSH_SECONDS = env_int("PRESENCE_FLUSH_SECONDS", 10, minimum=1)
 PERSONALIZATION_HISTORY = env_int("PERSONALIZATION_HISTORY", 200, minimum=1, maximum=100_000)
 DEVICE_TOKEN_TTL_SECONDS = env_int("DEVICE_TOKEN_TTL_SECONDS", 900, minimum=30)
 ENROLLMENT_RATE = env_str("ENROLLMENT_RATE", "30/min")
+DEVICE_AUTH_RATE = env_str("DEVICE_AUTH_RATE", "600/min")  # device sign-ins per client address, a bucket apart
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, minimum=1)
 LOGIN_FAILURE_WINDOW_SECONDS = env_int("LOGIN_FAILURE_WINDOW_SECONDS", 900, minimum=10)
 # A rollout's device whose assignment is still pending no longer holds the rollout open once it is offline and

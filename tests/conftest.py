@@ -54,7 +54,8 @@ def _generous_enrollment_rate(settings):
     """Tests enroll many devices from one address; the rate-limit test sets its own low rate."""
     from django.core.cache import cache
 
-    settings.ENROLLMENT_RATE = "100000/min"
+    settings.ENROLLMENT_RATE = settings.DEVICE_AUTH_RATE = "100000/min"
+    cache.delete("throttle_device_auth_127.0.0.1")
     cache.delete("throttle_enroll_127.0.0.1")  # never cache.clear(): that flushes the whole Redis database
     cache.delete("login-failures:addr:127.0.0.1")  # every test signs in from this address
 

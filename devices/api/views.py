@@ -195,16 +195,29 @@ class EnrollmentThrottle(SimpleRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
 
 
+class DeviceAuthThrottle(EnrollmentThrottle):
+    """The device sign-in (challenge, token), per client address at DEVICE_AUTH_RATE. A bucket of its own: a
+    fleet behind one address signing in for its reports must not use up the enrollments of new devices (the
+    demo's 12 did, and the first device a user enrolled beside them was refused)."""
+
+    scope = "device_auth"
+
+    def get_rate(self) -> str:
+        return settings.DEVICE_AUTH_RATE
+
+
 class _PublicDeviceEndpoint(APIView):
     """Called by devices before they hold a token: no operator auth, rate limited per client address."""
 
     authentication_classes: list = []
     permission_classes = [AllowAny]
-    throttle_classes = [EnrollmentThrottle]
+    throttle_classes = [DeviceAuthThrottle]
 
 
 class EnrollView(_PublicDeviceEndpoint):
     """A device joins the fleet with an enrollment token and its Ed25519 public key."""
+
+    throttle_classes = [EnrollmentThrottle]
 
     @extend_schema(
         request=EnrollRequestSerializer,

@@ -13,7 +13,8 @@ from tests.devices.device_authz_support import build_fleet
 @pytest.fixture(scope="class")
 def device_fleet(django_db_setup, django_db_blocker, shared_blob_root, tmp_path_factory):
     staging = tmp_path_factory.mktemp("device-staging")
-    with rolled_back(django_db_blocker, shared_blob_root, DELTA_STAGING_DIR=staging, ENROLLMENT_RATE="100000/min"):
+    rates = {"ENROLLMENT_RATE": "100000/min", "DEVICE_AUTH_RATE": "100000/min"}
+    with rolled_back(django_db_blocker, shared_blob_root, DELTA_STAGING_DIR=staging, **rates):
         yield build_fleet(staging)
 
 

@@ -102,6 +102,17 @@ def test_enrollment_is_rate_limited_per_client(enrollment_token, settings):
 
 
 @pytest.mark.django_db
+def test_device_sign_ins_have_their_own_bucket_and_never_use_up_enrollments(enrollment_token, settings):
+    settings.ENROLLMENT_RATE, settings.DEVICE_AUTH_RATE = "2/min", "3/min"
+    challenge = [
+        APIClient().post("/api/v1/device-auth/challenge/", {"device_id": "nope"}, format="json").status_code
+        for _ in range(4)
+    ]
+    assert challenge[-1] == 429 and 429 not in challenge[:3]
+    assert enroll(enrollment_token().raw).status_code == 201  # a fleet signing in leaves room for a new device
+
+
+@pytest.mark.django_db
 def test_admin_creates_a_token_shown_once_and_only_admins_may(api_client_for, cohort):
     expires = (timezone.now() + timedelta(days=1)).isoformat()
     body = {"name": "batch-7", "cohort": cohort.name, "expires_at": expires, "uses_left": 10}
