@@ -8,9 +8,9 @@ method starts after one untimed read of all of them): the figures are CPU and me
 - ``floor``: sha256 of each file plus one streaming numpy pass over it (1 MiB reads), one process;
   ``floor_2proc``: the same, half the files in each of 2 processes (what the 2 cores allow).
 - ``verify_fedavg``: per delta the server's verification (envelope signature, streamed sha256, header via
-  ``training.artifacts.read_header`` on an mmap so only the header is read, ``check_spec``, finite values
-  and L2 norm via the streaming ``training.strategies.base.delta_norm``; the product's
-  ``training/verification.py`` instead reads the whole file and ``load_safetensors`` it), then
+  ``training.registry.artifacts.read_header`` on an mmap so only the header is read, ``check_spec``, finite values
+  and L2 norm via the streaming ``training.federation.strategies.base.delta_norm``; the product's
+  ``training/federation/verification.py`` instead reads the whole file and ``load_safetensors`` it), then
   ``get_strategy("fedavg").aggregate``. ``verify_fedavg_product`` runs the product's own
   ``_check_contents`` on the whole file instead (Django configured with unreachable services; no query).
 - ``verify_fedavg_2w``: 2 spawned processes (standing in for 2 Celery workers of a chord), each verifying
@@ -53,7 +53,7 @@ METHODS = {
     "floor": "floor: sha256 + 1 streaming pass, 1 process",
     "floor_2proc": "floor, 2 processes",
     "verify_fedavg": "ours: verification (streaming) + fedavg, 1 worker",
-    "verify_fedavg_product": "ours: verification as in training/verification.py (whole file) + fedavg, 1 worker",
+    "verify_fedavg_product": "ours: verification as in training/federation/verification.py + fedavg, 1 worker",
     "verify_fedavg_2w": "ours: verification + fedavg, 2 workers (shard_size 64)",
     "verify_fedavg_2w_balanced": "ours: verification + fedavg, 2 workers (shard_size ⌈N/2⌉)",
     "median": "ours: median",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aggregation_data import RESULTS, layout, num_samples, parse_size  # noqa: E402
 
-CHUNK = 1 << 20  # what training.blobs streams with
+CHUNK = 1 << 20  # what training.registry.blobs streams with
 TMP = RESULTS / "aggregation-tmp"
 
 
@@ -86,7 +86,7 @@ def check_envelope(sidecar: dict) -> dict:
 
 
 def streaming_sha256(path: str) -> tuple[str, int]:
-    """As ``training.blobs.blob_put_file`` hashes an upload: 1 MiB reads."""
+    """As ``training.registry.blobs.blob_put_file`` hashes an upload: 1 MiB reads."""
     digest, size = hashlib.sha256(), 0
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
@@ -99,12 +99,12 @@ def streaming_sha256(path: str) -> tuple[str, int]:
 
 def verify_streaming(index: int, path: str, sidecar: dict, spec: dict, max_norm: float) -> float:
     """The server's checks without holding the file: envelope signature, sha256 and size (streamed), the
-    header with ``training.artifacts.read_header`` on a read-only mmap (only the header's pages are read),
-    the encoding, the spec (``training.artifacts.check_spec``), then finite values and the L2 norm with
-    ``training.strategies.base.delta_norm`` (safe_open, row ranges). Returns the norm."""
+    header with ``training.registry.artifacts.read_header`` on a read-only mmap (only the header's pages are read),
+    the encoding, the spec (``training.registry.artifacts.check_spec``), then finite values and the L2 norm with
+    ``training.federation.strategies.base.delta_norm`` (safe_open, row ranges). Returns the norm."""
     from edge_agent.delta import read_encoding
-    from training.artifacts import check_spec, read_header
-    from training.strategies.base import DeltaInput, delta_norm
+    from training.federation.strategies.base import DeltaInput, delta_norm
+    from training.registry.artifacts import check_spec, read_header
 
     envelope = check_envelope(sidecar)
     sha, size = streaming_sha256(path)
@@ -123,9 +123,9 @@ def verify_streaming(index: int, path: str, sidecar: dict, spec: dict, max_norm:
 
 
 def verify_product(path: str, sidecar: dict, adapter) -> float:
-    """What ``training.verification`` does for the contents: the whole file read into memory (as
+    """What ``training.federation.verification`` does for the contents: the whole file read into memory (as
     ``blob_read``), then the real ``_check_contents`` (``load_safetensors`` of all of it)."""
-    from training.verification import _check_contents
+    from training.federation.verification import _check_contents
 
     envelope = check_envelope(sidecar)
     with open(path, "rb") as handle:
@@ -137,7 +137,7 @@ def verify_product(path: str, sidecar: dict, adapter) -> float:
 
 
 def django_for_product() -> None:
-    """``training.verification`` imports Django models: configure Django with unreachable services (no
+    """``training.federation.verification`` imports Django models: configure Django with unreachable services (no
     connection is made; ``_check_contents`` touches no database)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
     os.environ.setdefault("DATABASE_URL", "postgresql://bench@127.0.0.1:9/unused")
@@ -190,8 +190,8 @@ def compare(ours: dict | None, theirs: dict, *, exact: bool = False, against: st
 
 
 def method_verify_fedavg(job, size, envelopes, *, product: bool = False) -> dict:
-    from training.aggregation_settings import AGGREGATION_DEFAULTS
-    from training.strategies import DeltaInput, get_strategy
+    from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
+    from training.federation.strategies import DeltaInput, get_strategy
 
     spec = spec_of(size)
     paths = [str(p) for p in size.paths()]
@@ -226,7 +226,7 @@ def method_verify_fedavg(job, size, envelopes, *, product: bool = False) -> dict
 
 
 def method_robust(job, size, envelopes, name: str) -> dict:
-    from training.strategies import DeltaInput, get_strategy
+    from training.federation.strategies import DeltaInput, get_strategy
 
     spec = spec_of(size)
     inputs = [DeltaInput(str(path), num_samples(i)) for i, path in enumerate(size.paths())]
@@ -252,7 +252,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 
         if job.get("torch_threads"):
             torch.set_num_threads(job["torch_threads"])
-        from training.strategies import get_strategy  # noqa: F401
+        from training.federation.strategies import get_strategy  # noqa: F401
     base = rss_now()
     ready.put(os.getpid())
     go.wait()
@@ -264,8 +264,8 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
     else:
         from safetensors.torch import save as save_safetensors
 
-        from training.aggregation_settings import AGGREGATION_DEFAULTS
-        from training.strategies import DeltaInput, get_strategy
+        from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
+        from training.federation.strategies import DeltaInput, get_strategy
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
@@ -275,7 +275,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
                 norm = verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
                 inputs.append(DeltaInput(paths[i], num_samples(i), 0, norm))
             sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
-            # as training.aggregation.shard_partial: the float64 sums stored as a safetensors blob
+            # as training.federation.aggregation.shard_partial: the float64 sums stored as a safetensors blob
             blob = TMP / size.label / f"partial-{shard_index:04d}.safetensors"
             blob.parent.mkdir(parents=True, exist_ok=True)
             blob.write_bytes(save_safetensors({k: v.contiguous() for k, v in sorted(sums.items())}))
@@ -293,7 +293,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 def method_two(job, size, envelopes) -> dict:
     """Two spawned processes each take half the work (the floor: half the files; ours: the verification
     and fedavg ``partial`` of half the shards), then this process ``combine``s the partials in shard
-    order, loading them as ``training.aggregation.combine_partials`` does. Timed from the start signal
+    order, loading them as ``training.federation.aggregation.combine_partials`` does. Timed from the start signal
     (both workers already imported, like running Celery workers) to the combined result."""
     import multiprocessing
 
@@ -302,7 +302,7 @@ def method_two(job, size, envelopes) -> dict:
     if job["method"] == "floor_2proc":
         parts = [list(range(0, n // 2)), list(range(n // 2, n))]
     else:
-        from training.strategies import shards
+        from training.federation.strategies import shards
 
         shard_size = math.ceil(n / 2) if job["method"].endswith("balanced") else 64
         job = {**job, "params": {"shard_size": shard_size}}
@@ -322,7 +322,7 @@ def method_two(job, size, envelopes) -> dict:
     if job["method"] != "floor_2proc":
         from safetensors.torch import load as load_safetensors
 
-        from training.strategies import get_strategy
+        from training.federation.strategies import get_strategy
 
         combined_start = time.perf_counter()
         partials = sorted(p for o in outs for p in o["partials"])
@@ -363,7 +363,7 @@ def method_flower(job, size, envelopes) -> dict:
     from flwr.server.strategy import aggregate as fl
     from safetensors.numpy import load_file
 
-    from training.strategies.robust import byzantine_count
+    from training.federation.strategies.robust import byzantine_count
 
     name = job["method"]
     keys = list(layout(size.params))
@@ -419,11 +419,11 @@ def main() -> None:
 
         if job.get("torch_threads"):
             torch.set_num_threads(job["torch_threads"])
-        from training.strategies import get_strategy  # noqa: F401
+        from training.federation.strategies import get_strategy  # noqa: F401
 
         if method == "verify_fedavg_product":
             django_for_product()
-            import training.verification  # noqa: F401
+            import training.federation.verification  # noqa: F401
     base = rss_now()
     if method == "floor":
         start, cpu = time.perf_counter(), cpu_seconds()

@@ -29,7 +29,7 @@ overview in under 150 ms server time"):
 The detail pages show the busiest rows of their kind, so the large run is the worst case: the device with
 the most deltas and events, the adapter with the longest lineage (past the page's lineage limit), the
 collecting round (~500 deltas), the running rollout on the largest cohort (~2,000 assignments).
-``/system/`` pings the Celery workers (``fleet.health``); with no worker on this ``REDIS_PREFIX`` it waits
+``/system/`` pings the Celery workers (``core.health``); with no worker on this ``REDIS_PREFIX`` it waits
 the full ping timeout (1.5 s), so its time is that timeout, not the page.
 """
 

@@ -45,7 +45,7 @@ from edge_agent.families.common import pretrain
 from edge_agent.families.minilm import TOPICS, MiniLMText, tokenize, toy_texts
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.samples import local_split
-from training.personalization_settings import PERSONALIZATION_DEFAULTS
+from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS
 
 FAMILY = MiniLMText()
 ROWS = (

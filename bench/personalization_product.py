@@ -30,7 +30,7 @@ from edge_agent.personal import PersonalSettings, derive, personalize, private_k
 from edge_agent.runtime import JUDGE_MIN_SAMPLES
 from edge_agent.samples import ReplayBuffer, local_split
 from edge_agent.training import TrainConfig, train_adapter
-from training.personalization_settings import PERSONALIZATION_DEFAULTS  # plain Python: no Django needed
+from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS  # plain Python: no Django needed
 
 FAMILY = DigitsCNN()
 TARGETS, SAVED = ("conv2", "fc1"), ("head",)

@@ -4,8 +4,8 @@ A fleet of ``--devices`` devices (the demo's adapter, Dirichlet(0.5) non-IID sha
 runs ``--rounds`` federated rounds from version 1: every round each device trains the current global adapter
 on its shard with the agent's training loop (``bench/poisoning_attacks.py``) and uploads ``new - old`` as a
 delta file (``edge_agent.delta.encode_delta``); the server's verification norm bound (``max_norm``) applies, and
-the server's strategy (``training.strategies.get_strategy(...).aggregate`` on the files, with ``DeltaInput``
-as ``training.aggregation`` builds them) makes the next global adapter. A fraction of the devices (the same
+the server's strategy (``training.federation.strategies.get_strategy(...).aggregate`` on the files, with ``DeltaInput``
+as ``training.federation.aggregation`` builds them) makes the next global adapter. A fraction of the devices (the same
 ones for every strategy) are attackers: sign flipping, scaling, Gaussian noise, label flipping, or a
 model-replacement backdoor.
 
@@ -34,9 +34,9 @@ import torch
 from poisoning_attacks import ATTACKS, Fleet, attacker_update
 
 from edge_agent.delta import encode_delta
-from training.aggregation_settings import AGGREGATION_DEFAULTS, MIXING_DEFAULTS, ROBUST
-from training.strategies import DeltaInput, get_strategy
-from training.strategies.base import delta_norm
+from training.federation.aggregation_settings import AGGREGATION_DEFAULTS, MIXING_DEFAULTS, ROBUST
+from training.federation.strategies import DeltaInput, get_strategy
+from training.federation.strategies.base import delta_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -68,7 +68,7 @@ def known_strategy(label: str) -> bool:
 
 
 def strategy_params(label: str, args, norms: list[float]) -> tuple[str, dict]:
-    """The server strategy and its params for one round (the names of ``training.strategies.base.PARAMS``).
+    """The server strategy and its params for one round (the names of ``training.federation.strategies.base.PARAMS``).
     ``+clip`` sets ``clip_norm`` to the median of the round's delta norms (the server has every accepted delta's
     norm from verification) unless ``--clip-norm`` fixes it: the product's ``clip_norm`` is a fixed adapter
     setting, so this stands for an operator who sets it to the norm honest devices send."""
@@ -121,7 +121,8 @@ def run(fleet: Fleet, label: str, attack: str, attackers: set[int], seed: int, a
             aggregated = get_strategy(name).aggregate(inputs, spec=fleet.spec, base=tensors, params=params)
             candidate = {key: tensors[key] + aggregated[key].float() for key in tensors}
             if all(bool(torch.isfinite(value).all()) for value in candidate.values()):
-                tensors = candidate  # else the round fails (training.aggregation._finish) and nothing changes
+                # else the round fails (training.federation.aggregation._finish) and nothing changes
+                tensors = candidate
         metrics = fleet.evaluate(tensors)
         history.append(
             {

@@ -5,7 +5,7 @@ send instead of an honest delta.
 Everything a device does is product code: the base model and its Dirichlet shards come from the family
 (``edge_agent.families``), the adapter from ``edge_agent.lora`` / ``lora_layers`` (as ``version_create_seeded``
 makes version 1), training from ``edge_agent.training.train_adapter`` on the agent's ``local_split``, and the
-delta from ``edge_agent.delta.compute_delta``. The server side evaluates the way ``training.evaluation`` does
+delta from ``edge_agent.delta.compute_delta``. The server side evaluates the way ``training.registry.evaluation`` does
 (``apply_adapter`` + the family's ``evaluate`` on its test split).
 """
 
@@ -24,7 +24,7 @@ from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.samples import local_split
 from edge_agent.training import TrainConfig, train_adapter
 
-# The demo fleet's adapter (fleet/demo.py): digits-cnn from seed 1, LoRA r=4, alpha 8 on the family's default
+# The demo fleet's adapter (demo/fleet_demo.py): digits-cnn from seed 1, LoRA r=4, alpha 8 on the family's default
 # targets (conv2, fc1) with the head trained in full, version 1 seeded with 1; shards Dirichlet(0.5).
 FAMILY = "digits-cnn"
 BASE_CONFIG = {"seed": 1}

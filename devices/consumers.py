@@ -24,6 +24,7 @@ from devices.errors import DeviceAuthFailed
 from devices.identity import device_verify, ensure_may_sync, new_nonce
 from devices.models import Device, DeviceEvent
 from devices.personalization import personal_report_record
+from devices.socket_hooks import training_side
 from edge_agent.protocol import (
     HELLO_TIMEOUT_SECONDS,
     MAX_BINARY_MESSAGE_BYTES,
@@ -85,14 +86,8 @@ def _authenticate(device_id, nonce: str, signature) -> Device:
 
 @_socket_db
 def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> dict | None:
-    """Note the agent's version and hardware when they changed; join a rollout in progress (or the last
-    completed one) the device is not part of yet; return the newest assignment the device has not installed
-    yet, as the message it should receive (one trip to the database thread per hello)."""
-    # Inside the function, as the existing import above: training imports devices at module level, so the
-    # socket reaches the rollouts this way until the architecture issue gives the two one direction.
-    from training.delivery import assignment_message, current_assignment
-    from training.rollout_joining import assignment_at_check_in
-
+    """Note the agent's version and hardware when they changed; then the training side's check-in (the
+    assignment the device should receive now, if any), in one trip to the database thread per hello."""
     changes = {}
     if agent_version and agent_version != device.agent_version:
         changes["agent_version"] = agent_version
@@ -101,33 +96,20 @@ def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> d
     if changes:
         Device.objects.filter(pk=device.pk).update(**changes)
         DeviceEvent.objects.create(device=device, kind=DeviceEvent.Kind.UPDATED, actor_label="device", detail=changes)
-    if assignment_at_check_in(device=device) is not None:
-        return None  # pushed to this socket by ``deliver`` once it is committed
-    assignment = current_assignment(device.pk)
-    return assignment_message(assignment) if assignment is not None else None
+    return training_side().check_in(device)
 
 
 _personal_record = _socket_db(personal_report_record)
 
 
 @_socket_db
-def _delta_begin(device: Device, message: dict):
-    from training.intake import upload_begin
-
-    return upload_begin(
-        device=device,
-        envelope=message.get("envelope"),
-        signature=message.get("signature"),
-        channel="ws",
-        metrics=message.get("metrics"),
-    )
+def _delta_begin(device: Device, message: dict) -> tuple[str, dict]:
+    return training_side().upload_begin(device, message)
 
 
 @_socket_db
-def _delta_append(device: Device, sha256: str, offset: int, data: bytes):
-    from training.intake import upload_append
-
-    return upload_append(device=device, sha256=sha256, offset=offset, data=data, channel="ws")
+def _delta_append(device: Device, sha256: str, offset: int, data: bytes) -> tuple[str, dict]:
+    return training_side().upload_append(device, sha256, offset, data)
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -257,7 +239,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             logger.warning("could not record a personal measurement of %s", self.device_id, exc_info=True)
 
     async def on_delta(self, kind: str, message: dict) -> None:
-        """Resumable delta upload (``training.intake``): every step answers with where the upload stands."""
+        """Resumable delta upload (the training side's intake): every step answers with where the upload stands."""
         envelope = message.get("envelope")
         sha256 = message.get("sha256") or (envelope.get("sha256") if isinstance(envelope, dict) else None)
         if kind == MessageType.DELTA_BEGIN:
@@ -283,16 +265,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self._upload_step(sha256, _delta_append(self.device, sha256, offset, data))
 
     async def _upload_step(self, sha256, step) -> None:
-        """Run one upload step; answer with where the upload stands, or with why it was refused."""
-        from training.api.delta_views import upload_state_body
-        from training.intake import UploadRefused
-
-        try:
-            state = await step
-        except UploadRefused as exc:
-            await self.send(encode(MessageType.DELTA_ERROR, sha256=sha256, code=exc.code, message=exc.message))
-            return
-        await self.send(encode(MessageType.DELTA_STATE, **upload_state_body(state)))
+        """Run one upload step (``devices.socket_hooks``); send where the upload stands, or why it was refused."""
+        kind, fields = await step
+        if kind == MessageType.DELTA_ERROR:
+            fields = {"sha256": sha256, **fields}
+        await self.send(encode(kind, **fields))
 
     async def disconnect(self, code):
         self.closed = True

@@ -1,6 +1,6 @@
 """Errors the fleet services raise; each has a stable code the API and the agent socket report."""
 
-from fleet.api.errors import ApiError
+from core.api.errors import ApiError
 
 
 class EnrollmentRefused(ApiError):

@@ -16,10 +16,10 @@ from django.conf import settings
 from django.core import signing
 from django.core.cache import cache
 
+from core.queries import only_row
 from devices.errors import DeviceAuthFailed
 from devices.models import Device, DeviceEvent, DeviceStatus
 from edge_agent.protocol import b64encode, public_key_from_b64, token_request_payload, verify
-from fleet.queries import only_row
 
 TOKEN_SALT = "devices.device-token"  # noqa: S105  (a signing namespace, not a secret)
 NONCE_TTL_SECONDS = 60

@@ -145,7 +145,7 @@ class DeviceEvent(models.Model):
 class ServerKeyRotation(models.Model):
     """One link of the server signing key's chain: ``statement`` (``edge_agent.manifest.ROTATION_FIELDS``)
     signed by the key it retires and by the key it introduces. Devices that pinned an older key follow the
-    chain to the current one (``fleet.server_key.key_rotations``); rows are never edited or deleted."""
+    chain to the current one (``devices.server_key.key_rotations``); rows are never edited or deleted."""
 
     seq = models.PositiveIntegerField(unique=True)
     old_public_key = models.CharField(max_length=64, unique=True)

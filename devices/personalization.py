@@ -18,10 +18,9 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.db import transaction
 
+from core.live import LiveEvent, publish
 from devices.models import Device, PersonalizationReport
-from frontend.live import LiveEvent, publish
-from training.models import Adapter
-from training.personalization_settings import METHODS
+from edge_agent.protocol import PERSONALIZATION_METHODS as METHODS
 
 SERVING = ("personal", "shared")
 MAX_SAMPLES = 10**9
@@ -80,6 +79,12 @@ def parse_personal(value, *, now: float | None = None) -> dict | None:
     }
 
 
+def _adapters():
+    """The adapters, through the report's own relation: the training side sits above ``devices``, which does not
+    import it (docs/architecture.md)."""
+    return PersonalizationReport._meta.get_field("adapter").related_model.objects
+
+
 def personal_report_record(*, device_id, personal: dict) -> PersonalizationReport | None:
     """Store a device's measurement (from ``parse_personal``) unless it is not newer than the last one stored;
     keep the device's newest ``PERSONALIZATION_HISTORY`` reports. Returns the new report, or None."""
@@ -96,7 +101,7 @@ def personal_report_record(*, device_id, personal: dict) -> PersonalizationRepor
         reports.filter(adapter_name=personal["adapter"], latest=True).update(latest=False)
         report = PersonalizationReport.objects.create(
             device_id=device_id,
-            adapter_id=Adapter.objects.filter(name=personal["adapter"]).values_list("pk", flat=True).first(),
+            adapter_id=_adapters().filter(name=personal["adapter"]).values_list("pk", flat=True).first(),
             adapter_name=personal["adapter"],
             version_number=personal["version"],
             method=personal["method"],

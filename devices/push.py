@@ -11,8 +11,8 @@ import logging
 
 from channels.layers import get_channel_layer
 
+from core.async_bridge import run_async
 from devices import presence
-from fleet.async_bridge import run_async
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 from celery import shared_task
 
+from core.live import LiveEvent, publish
 from devices import presence
 from devices.models import Device
-from frontend.live import LiveEvent, publish
 
 # Above this many transitions in one flush, the dashboard gets one summary instead of an event each.
 LIVE_EVENT_BATCH = 50

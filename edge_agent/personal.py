@@ -45,10 +45,11 @@ from torch import nn
 from edge_agent.families.common import LABEL, batched_logits, size
 from edge_agent.identity import atomic_write
 from edge_agent.lora_layers import PREFIX, adapter_parameters
+from edge_agent.protocol import PERSONALIZATION_METHODS
 from edge_agent.training import TrainConfig, TrainResult, train_adapter
 
 logger = logging.getLogger("edge_agent.personal")
-METHODS = ("none", "finetune", "ditto", "private_modules")
+METHODS = PERSONALIZATION_METHODS
 CLASSIFIER = "head"  # the module whose rows are the classes (a family may name another: ``classifier``)
 CONTRADICTED_SHARE = 0.5  # of a class's samples the shared version must call something else to release it
 PERSONAL_DIR = "personal"

@@ -17,6 +17,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 PROTOCOL_VERSION = 1
+# How a device personalizes (the manifest's signed ``personalization.method``; a heartbeat's ``personal.method``).
+PERSONALIZATION_METHODS = ("none", "finetune", "ditto", "private_modules")
 AGENT_WS_PATH = "/ws/agent/"
 
 # Limits the server enforces; the agent keeps to them.

@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 
-from fleet.api.errors import error_body
+from accounts.models import ApiToken, User
+from core.api.errors import error_body
 
 HTTP_REQUESTS = Counter("fleet_http_requests_total", "HTTP requests answered", ["method", "status_class"])
 HTTP_LATENCY = Histogram(
@@ -45,8 +46,6 @@ class FleetCollector:
     """Gauges computed from the database when Prometheus scrapes (cheap aggregate queries)."""
 
     def collect(self):
-        from accounts.models import ApiToken, User
-
         users = GaugeMetricFamily("fleet_operator_accounts", "Active operator accounts by role", labels=["role"])
         for role, count in User.objects.active_counts_by_role().items():
             users.add_metric([role], count)

@@ -12,7 +12,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
-from fleet.env import (
+from core.env import (
     database_from_url,
     env_bool,
     env_int,
@@ -164,6 +164,7 @@ INSTALLED_APPS = [
     "devices",
     "training",
     "frontend",
+    "demo",
 ]
 
 MIDDLEWARE = [
@@ -263,15 +264,15 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["accounts.permissions.RolePermission"],
-    "DEFAULT_PAGINATION_CLASS": "fleet.api.pagination.Pagination",
+    "DEFAULT_PAGINATION_CLASS": "core.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": [
-        "fleet.api.filters.FilterBackend",
+        "core.api.filters.FilterBackend",
         "rest_framework.filters.SearchFilter",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_SCHEMA_CLASS": "fleet.api.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "fleet.api.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "core.api.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "core.api.errors.exception_handler",
     # A JSON API: forms cannot carry its nested fields. The two upload endpoints take multipart themselves.
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
@@ -356,7 +357,7 @@ DEVICE_AUTH_RATE = env_str("DEVICE_AUTH_RATE", "600/min")  # device sign-ins per
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, minimum=1)
 LOGIN_FAILURE_WINDOW_SECONDS = env_int("LOGIN_FAILURE_WINDOW_SECONDS", 900, minimum=10)
 # A rollout's device whose assignment is still pending no longer holds the rollout open once it is offline and
-# was not seen for this long (training/rollout_progress.py); it still gets its assignment when it comes back.
+# was not seen for this long (training/rollouts/progress.py); it still gets its assignment when it comes back.
 ROLLOUT_GONE_SECONDS = env_int("ROLLOUT_GONE_SECONDS", 600, minimum=10)
 CELERY_BEAT_SCHEDULE["tick-rollouts"] = {
     "task": "training.tasks.tick_rollouts",
@@ -392,7 +393,7 @@ CELERY_BEAT_SCHEDULE["close-due-rounds"] = {
 # A delta still `received` this long after it arrived lost its verification task (a worker or the broker went
 # away before the task was queued or acknowledged); a beat task queues it again.
 DELTA_VERIFY_RESCUE_SECONDS = env_int("DELTA_VERIFY_RESCUE_SECONDS", 300, minimum=10)
-# Received deltas are verified by one drain task per shard at a time (training/verify_queue.py): shards are
+# Received deltas are verified by one drain task per shard at a time (training/federation/verify_queue.py): shards are
 # how many workers verify at once; more than the worker processes is harmless.
 DELTA_VERIFY_SHARDS = env_int("DELTA_VERIFY_SHARDS", 4, minimum=1, maximum=64)
 # A delta whose verification was begun this many times without an outcome (its worker killed or crashing on

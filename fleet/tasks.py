@@ -10,7 +10,7 @@ from django.core.cache import cache
 from django.db import connection
 from django.utils import timezone
 
-BEAT_TICK_KEY = "system:beat:last-tick"
+from core.health import BEAT_TICK_KEY
 
 
 @shared_task(name="fleet.tasks.beat_tick", ignore_result=True)

@@ -2,7 +2,9 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from fleet import health, metrics
+from core import health
+from core.api.errors import json_not_found, json_server_error
+from fleet import metrics
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
@@ -23,8 +25,6 @@ handler500 = "fleet.urls.server_error"
 def not_found(request, exception=None):
     from django.views.defaults import page_not_found
 
-    from fleet.api.errors import json_not_found
-
     if request.path.startswith("/api/"):
         return json_not_found(request, exception)
     return page_not_found(request, exception)
@@ -32,8 +32,6 @@ def not_found(request, exception=None):
 
 def server_error(request):
     from django.views.defaults import server_error as html_server_error
-
-    from fleet.api.errors import json_server_error
 
     if request.path.startswith("/api/"):
         return json_server_error(request)

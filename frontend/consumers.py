@@ -6,7 +6,8 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from accounts.roles import has_role, role_of
-from frontend.live import DASHBOARD_GROUP
+from core.live import DASHBOARD_GROUP
+from frontend.event_text import live_event, live_link
 
 CLOSE_UNAUTHENTICATED = 4401
 
@@ -39,7 +40,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 "kind": message["kind"],
                 "data": message["data"],
                 "at": message["at"],
-                "text": message.get("text", ""),
-                "url": message.get("url", ""),
+                "text": message.get("text") or live_event(message["kind"], message["data"]),
+                "url": message.get("url") or live_link(message["kind"], message["data"]),
             }
         )

@@ -2,7 +2,7 @@
 "round 4 of digits-lora closed with 5 deltas (buffer full)", "version 3 of digits-lora released".
 
 Three sources: device events and training events (the audit trail: the overview's recent activity and the
-device page), and live events (``frontend.live``: the overview's live feed). Each takes the names it needs
+device page), and live events (``core.live``: the overview's live feed). Each takes the names it needs
 from its caller or its payload, never from the database (``live_link`` only builds a URL). A kind without a
 sentence of its own still reads as words with its details (``frontend.wording``).
 """
@@ -171,7 +171,8 @@ def _round_live(kind: str, data: dict) -> str:
 
 
 def live_event(kind: str, data: dict | None) -> str:
-    """The live feed's line for one ``LiveEvent``: names from its payload (``training.live``, ``devices.tasks``)."""
+    """The live feed's line for one ``LiveEvent``: names from its payload (``training.federation.events``,
+    ``devices.tasks``)."""
     data = data or {}
     group, _, action = kind.partition(".")
     if group == "device" and action:

@@ -6,7 +6,7 @@ from accounts.models import User
 from accounts.roles import Role
 from devices.models import Cohort, DeviceStatus
 from training.models import Adapter, AdapterVersion, Rollout
-from training.personalization_settings import METHODS, PERSONALIZATION_DEFAULTS, personalization_settings
+from training.registry.personalization_settings import METHODS, PERSONALIZATION_DEFAULTS, personalization_settings
 
 
 class ApiTokenForm(forms.Form):
@@ -164,7 +164,7 @@ class RolloutForm(forms.Form):
 
 
 class AdapterCohortsForm(forms.Form):
-    """The cohorts an adapter serves, one checkbox each (``training.services.adapter_set_cohorts`` checks the
+    """The cohorts an adapter serves, one checkbox each (``training.registry.services.adapter_set_cohorts`` checks the
     rest: a cohort a rollout is running in stays)."""
 
     cohorts = forms.ModelMultipleChoiceField(
@@ -179,7 +179,7 @@ class AdapterCohortsForm(forms.Form):
 
 
 class PersonalizationForm(forms.Form):
-    """An adapter's personalization setting (training.personalization_settings checks it as a whole). What an
+    """An adapter's personalization setting (training.registry.personalization_settings checks it as a whole). What an
     operator leaves at its default is stored as "the default", so a later change of default reaches it."""
 
     method = forms.ChoiceField(choices=[(method, method) for method in METHODS])

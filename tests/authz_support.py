@@ -199,9 +199,9 @@ def build_world() -> World:
     from accounts.services import api_token_create, user_create
     from devices.services import cohort_create, enrollment_token_create
     from tests.training.test_rounds import make_delta_tensors, receive
-    from training.rollouts import assignment_create, rollout_create
-    from training.rounds import round_open
-    from training.services import adapter_create, base_model_create, version_create_seeded, version_transition
+    from training.federation.rounds import round_open
+    from training.registry.services import adapter_create, base_model_create, version_create_seeded, version_transition
+    from training.rollouts.lifecycle import assignment_create, rollout_create
 
     users = {role: user_create(username=f"matrix-{role}", role=role) for role in (VIEWER, OPERATOR, ADMIN)}
     api_tokens = {role: api_token_create(user=user, name="matrix").raw for role, user in users.items()}

@@ -218,7 +218,7 @@ def enrolled(enrollment_token):
 
 @pytest.fixture
 def base_model(db, make_user):
-    from training.services import base_model_create
+    from training.registry.services import base_model_create
 
     return base_model_create(
         name="digits-base", family="digits-cnn", family_config={"seed": 1}, actor=make_user("admin")
@@ -227,7 +227,7 @@ def base_model(db, make_user):
 
 @pytest.fixture
 def adapter(base_model, make_user):
-    from training.services import adapter_create
+    from training.registry.services import adapter_create
 
     return adapter_create(name="digits-lora", base_model=base_model, rank=4, alpha=8.0, actor=make_user("admin"))
 

@@ -50,7 +50,7 @@ class Adapter(models.Model):
     # reads it, and the epsilon it gives (at dp["delta"]). Written only by a completed DP round.
     dp_history = models.JSONField(default=list, blank=True)
     dp_epsilon = models.FloatField(default=0.0)
-    # How each device makes its own model (training.personalization_settings): only what an operator set.
+    # How each device makes its own model (training.registry.personalization_settings): only what an operator set.
     personalization = models.JSONField(default=dict, blank=True, help_text="personal model method and training")
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+")
@@ -130,7 +130,7 @@ class Rollout(models.Model):
     larger percent only ever adds devices) and lasts at least its soak time. Guards are thresholds on the
     metrics devices report after installing; a breach pauses or rolls back, as ``on_breach`` says.
     States: draft → running ⇄ paused → completed | aborted | rolled_back. Completed means every phase is done
-    and each device it assigned installed, failed or is gone (``training.rollout_progress``).
+    and each device it assigned installed, failed or is gone (``training.rollouts.progress``).
     """
 
     class State(models.TextChoices):
@@ -163,7 +163,7 @@ class Rollout(models.Model):
         default=dict,
         blank=True,
         help_text="installed, failed, pending, gone (and gone by rule) as of the last tick that found devices "
-        "pending, and as they stood when it finished (training.rollout_progress)",
+        "pending, and as they stood when it finished (training.rollouts.progress)",
     )
 
     class Meta:

@@ -4,19 +4,30 @@ nothing twice."""
 
 from celery import chord, shared_task
 from django.db import InterfaceError, OperationalError
-from redis.exceptions import ConnectionError as RedisConnectionError
 
-from training.models import Rollout
-
-# What a verification task is retried for: PostgreSQL or Redis away for a moment.
-TRANSIENT_ERRORS = (ConnectionError, RedisConnectionError, OperationalError, InterfaceError)
+from training.dispatch import TRANSIENT_ERRORS
+from training.federation.aggregation import (
+    _round,
+    aggregation_lock,
+    combine_partials,
+    round_aggregate,
+    round_deltas,
+    shard_partial,
+    shards_of,
+)
+from training.federation.intake import staged_expire
+from training.federation.rounds import close_due_rounds as close_due
+from training.federation.rounds import stalled_rounds
+from training.federation.verification import delta_verify
+from training.federation.verify_queue import shard_drain
+from training.models import AdapterVersion, Rollout
+from training.rollouts.lifecycle import rollout_tick, round_result_release
+from training.selectors import deltas_awaiting_rescue
 
 
 @shared_task(name="training.tasks.tick_rollouts", ignore_result=True, time_limit=120, soft_time_limit=100)
 def tick_rollouts() -> dict:
     """Advance every running rollout one step (guards, soak, next phase). Safe to run twice at once."""
-    from training.rollouts import rollout_tick
-
     outcomes: dict[str, int] = {}
     for rollout in Rollout.objects.filter(state=Rollout.State.RUNNING).select_related("version__adapter"):
         outcome = rollout_tick(rollout=rollout)
@@ -38,8 +49,6 @@ def tick_rollouts() -> dict:
     max_retries=8,
 )
 def verify_delta(delta_id: int) -> str | None:
-    from training.verification import delta_verify
-
     delta = delta_verify(delta_id=delta_id)
     return delta.state if delta is not None else None
 
@@ -56,17 +65,13 @@ def verify_delta(delta_id: int) -> str | None:
     max_retries=8,
 )
 def verify_shard(shard: int) -> int:
-    """Verify one shard's received deltas in batches (``training.verify_queue``); how many were verified."""
-    from training.verify_queue import shard_drain
-
+    """Verify one shard's received deltas in batches (``training.federation.verify_queue``); how many were verified."""
     return shard_drain(shard)
 
 
 @shared_task(name="training.tasks.requeue_unverified_deltas", ignore_result=True, time_limit=60, soft_time_limit=50)
 def requeue_unverified_deltas() -> int:
     """Queue verification again for deltas left `received` (their task was lost); verifying twice is a no-op."""
-    from training.selectors import deltas_awaiting_rescue
-
     ids = deltas_awaiting_rescue()
     for delta_id in ids:
         verify_delta.delay(delta_id)
@@ -76,8 +81,6 @@ def requeue_unverified_deltas() -> int:
 @shared_task(name="training.tasks.expire_staged_uploads", ignore_result=True, time_limit=600, soft_time_limit=550)
 def expire_staged_uploads() -> int:
     """Discard unfinished uploads no chunk reached for DELTA_STAGED_EXPIRY_SECONDS (and finished ones' leftovers)."""
-    from training.intake import staged_expire
-
     return staged_expire()
 
 
@@ -85,8 +88,6 @@ def expire_staged_uploads() -> int:
 def aggregate_round(round_id: int) -> int | None:
     """Aggregate a closed round: here, or split into a chord of shards when it is large. A second task for a
     round another worker is aggregating right now does nothing."""
-    from training.aggregation import _round, aggregation_lock, round_aggregate, round_deltas, shards_of
-
     with aggregation_lock(round_id) as mine:
         round_ = _round(round_id) if mine else None
         if round_ is None:
@@ -103,8 +104,6 @@ def aggregate_round(round_id: int) -> int | None:
 def requeue_stalled_rounds() -> int:
     """Queue aggregation again for rounds left `aggregating` that no worker is aggregating (their task was
     lost); a round is aggregated at most once (state guards, ``UNIQUE(round)`` on the version)."""
-    from training.rounds import stalled_rounds
-
     ids = stalled_rounds()
     for round_id in ids:
         aggregate_round.delay(round_id)
@@ -113,30 +112,21 @@ def requeue_stalled_rounds() -> int:
 
 @shared_task(name="training.tasks.aggregate_shard", time_limit=3600, soft_time_limit=3500)
 def aggregate_shard(round_id: int, delta_ids: list[int]) -> dict:
-    from training.aggregation import shard_partial
-
     return shard_partial(round_id=round_id, delta_ids=delta_ids)
 
 
 @shared_task(name="training.tasks.combine_shards", ignore_result=True, time_limit=3600, soft_time_limit=3500)
 def combine_shards(partials: list[dict], round_id: int) -> int | None:
-    from training.aggregation import combine_partials
-
     version = combine_partials(round_id=round_id, partials=partials)
     return version.pk if version is not None else None
 
 
 @shared_task(name="training.tasks.close_due_rounds", ignore_result=True, time_limit=120, soft_time_limit=100)
 def close_due_rounds() -> int:
-    from training.rounds import close_due_rounds as close_due
-
     return close_due()
 
 
 @shared_task(name="training.tasks.release_round_result", ignore_result=True, time_limit=120, soft_time_limit=100)
 def release_round_result(version_id: int) -> int:
-    from training.models import AdapterVersion
-    from training.rollouts import round_result_release
-
     version = AdapterVersion.objects.filter(pk=version_id).first()
     return len(round_result_release(version=version)) if version is not None else 0

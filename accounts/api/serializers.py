@@ -3,7 +3,7 @@ from rest_framework import serializers
 
 from accounts.models import ApiToken, User
 from accounts.roles import Role, role_of
-from fleet.api.serializers import StrictTypesMixin
+from core.api.serializers import StrictTypesMixin
 
 
 def _email_field() -> serializers.CharField:

@@ -5,7 +5,7 @@ A LoRA adapter on ``proj`` (``features`` x ``features``) holds ``lora_A`` [r, fe
 [features, r]: ``2 * r * features`` float32 values, so a delta of ``kb`` KiB at rank 32 needs
 ``features = 4 * kb`` (300 KiB: 1,200 features, 307,200 bytes of tensors plus a ~200-byte header).
 
-It has no dataset, so the server stores no evaluation metrics for its versions (``training.evaluation``);
+It has no dataset, so the server stores no evaluation metrics for its versions (``training.registry.evaluation``);
 the server imports it from the checkout it runs in (``bench`` is a namespace package under the project root).
 """
 

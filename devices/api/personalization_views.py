@@ -5,10 +5,10 @@ from __future__ import annotations
 from rest_framework.generics import ListAPIView
 
 from accounts.roles import Role
+from core.api.errors import ApiError
 from devices.api.serializers import PersonalizationReportSerializer
 from devices.models import Device
 from devices.selectors import device_history
-from fleet.api.errors import ApiError
 
 
 class DevicePersonalizationView(ListAPIView):

@@ -2,11 +2,11 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.api.serializers import StrictTypesMixin
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken, PersonalizationReport
 from devices.personalization import EARLIEST_MEASUREMENT, MAX_SAMPLES, SERVING
 from devices.presence import MAX_METRICS
-from fleet.api.serializers import StrictTypesMixin
-from training.personalization_settings import METHODS
+from edge_agent.protocol import PERSONALIZATION_METHODS as METHODS
 
 
 class CohortSerializer(StrictTypesMixin, serializers.ModelSerializer):

@@ -16,6 +16,8 @@ from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from accounts.roles import Role
+from core.api.errors import ApiError, ErrorBodySerializer
+from core.api.filters import FilterSet, StrictBooleanFilter
 from devices import presence
 from devices.api.serializers import (
     ChallengeRequestSerializer,
@@ -36,6 +38,7 @@ from devices.authentication import DeviceTokenAuthentication, IsDevice
 from devices.identity import NONCE_TTL_SECONDS, rest_challenge_create, rest_token_issue
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.personalization import personal_report_record
+from devices.server_key import server_public_key_b64
 from devices.services import (
     device_enroll,
     device_transition,
@@ -44,9 +47,6 @@ from devices.services import (
     enrollment_token_revoke,
 )
 from edge_agent.protocol import AGENT_WS_PATH
-from fleet.api.errors import ApiError, ErrorBodySerializer
-from fleet.api.filters import FilterSet, StrictBooleanFilter
-from fleet.server_key import server_public_key_b64
 
 
 @extend_schema_view(destroy=extend_schema(responses={204: None, 409: ErrorBodySerializer}))

@@ -12,8 +12,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.roles import Role
-from fleet.api.errors import ErrorBodySerializer, error_body
-from fleet.health import readiness
+from core.api.errors import ErrorBodySerializer, error_body
+from core.health import readiness
 from fleet.tasks import system_diagnostic
 
 

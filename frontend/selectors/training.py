@@ -21,7 +21,8 @@ from frontend.selectors.common import (
     rejected_while_collecting,
 )
 from training.models import Adapter, AdapterVersion, Assignment, BaseModel, Delta, Rollout, Round, TrainingEvent
-from training.rollout_progress import annotate_device_counts, counts_for, counts_summary
+from training.rollouts.lifecycle import guard_report
+from training.rollouts.progress import annotate_device_counts, counts_for, counts_summary
 
 # --- models, adapters and versions ---------------------------------------------------------------------------
 
@@ -207,8 +208,6 @@ class RolloutDetail:
 
 
 def rollout_detail(rollout_id: int, *, assignments: int = 50, events: int = 30) -> RolloutDetail | None:
-    from training.rollouts import guard_report
-
     rollout = Rollout.objects.select_related("version__adapter", "cohort", "created_by").filter(pk=rollout_id).first()
     if rollout is None:
         return None

@@ -14,7 +14,7 @@ from accounts.models import ApiToken, User
 from accounts.permissions import role_required
 from accounts.roles import Role, has_role
 from accounts.services import api_token_create, api_token_revoke, user_create, user_update
-from fleet.health import readiness
+from core.health import readiness
 from frontend.forms import ApiTokenForm, UserCreateForm
 
 

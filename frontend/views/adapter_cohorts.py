@@ -11,7 +11,7 @@ from accounts.roles import Role
 from frontend.forms import AdapterCohortsForm
 from frontend.views.common import run_service
 from training.models import Adapter
-from training.services import adapter_set_cohorts
+from training.registry.services import adapter_set_cohorts
 
 
 @require_POST

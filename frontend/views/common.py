@@ -9,7 +9,7 @@ from django.contrib import messages
 from django.shortcuts import redirect
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from fleet.api.errors import ApiError
+from core.api.errors import ApiError
 
 
 def run_service(request, call: Callable[[], Any], success: str | Callable[[Any], str]) -> Any:

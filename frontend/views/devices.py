@@ -18,9 +18,9 @@ from django.views.decorators.http import require_POST
 
 from accounts.permissions import role_required
 from accounts.roles import Role, has_role
+from core.api.errors import ApiError
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.services import cohort_create, device_transition, enrollment_token_create, enrollment_token_revoke
-from fleet.api.errors import ApiError
 from frontend import selectors
 from frontend.forms import CohortForm, DeviceFilterForm, EnrollmentTokenForm
 from frontend.views.common import redirect_back, run_service

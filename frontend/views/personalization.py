@@ -7,13 +7,13 @@ from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 
 from accounts.roles import Role, has_role
-from fleet.api.errors import ApiError
+from core.api.errors import ApiError
 from frontend import selectors
 from frontend.forms import PersonalizationForm
 from frontend.personal_charts import accuracy_chart, gain_histogram
 from training.models import Adapter
-from training.personalization_settings import personalization_settings
-from training.services import adapter_set_personalization
+from training.registry.personalization_settings import personalization_settings
+from training.registry.services import adapter_set_personalization
 
 
 def personalization_form(request, adapter: Adapter) -> PersonalizationForm:

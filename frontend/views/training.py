@@ -12,8 +12,8 @@ from django.views.decorators.http import require_POST
 
 from accounts.permissions import role_required
 from accounts.roles import Role, has_role
+from core.api.errors import ApiError
 from devices.models import Cohort
-from fleet.api.errors import ApiError
 from frontend import selectors
 from frontend.charts import line_chart
 from frontend.forms import RolloutForm, RoundOpenForm
@@ -23,8 +23,9 @@ from frontend.views.personalization import (
     personalization_form,
     personalization_save,
 )
+from training.federation.rounds import round_close, round_open, round_rerun
 from training.models import Rollout, Round
-from training.rollouts import (
+from training.rollouts.lifecycle import (
     rollout_abort,
     rollout_create,
     rollout_pause,
@@ -32,7 +33,6 @@ from training.rollouts import (
     rollout_rollback,
     rollout_start,
 )
-from training.rounds import round_close, round_open, round_rerun
 
 METRIC_TITLES = {"eval_accuracy": "Evaluation accuracy", "eval_loss": "Evaluation loss"}
 

@@ -38,7 +38,7 @@ class Fleet:
 
 def build_fleet(staging: Path) -> Fleet:
     """The world, the devices' tokens (through the real signed challenge) and half an upload of bravo's."""
-    from training.intake import upload_append, upload_begin
+    from training.federation.intake import upload_append, upload_begin
 
     world = build_world()
     issued_at = time.time()
@@ -76,7 +76,7 @@ def presence_of(device_id: str):
 
 def _bravo_finished_upload(world: World) -> tuple[bytes, dict]:
     """The bytes and signed envelope of bravo's received delta, as bravo sent them."""
-    from training.blobs import blob_read
+    from training.registry.blobs import blob_read
 
     delta = world.bravo_delta
     return blob_read(delta.blob_sha256), {"envelope": delta.envelope, "signature": delta.signature}

@@ -38,7 +38,7 @@ def _fast_password_hashing(settings):
 def _no_verification(monkeypatch):
     """As in tests/training/test_delta_socket.py: a verification task queued by an upload in these tests
     would reach the session's Celery worker, if one runs, and change a delta between two snapshots."""
-    monkeypatch.setattr("training.verify_queue.queue_verification", lambda delta_id: None)
+    monkeypatch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: None)
 
 
 def _only_new_events(before: dict, after: dict) -> list[tuple[str, str]]:

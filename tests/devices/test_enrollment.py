@@ -8,9 +8,9 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from devices.models import Device, DeviceEvent, EnrollmentToken
+from devices.server_key import server_public_key_b64
 from devices.services import enrollment_token_revoke
 from edge_agent.identity import public_key_b64
-from fleet.server_key import server_public_key_b64
 
 
 def enroll(token: str, key=None, **extra):

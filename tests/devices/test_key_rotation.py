@@ -13,17 +13,17 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.management import CommandError, call_command
 
+from devices import server_key
 from devices.models import ServerKeyRotation
+from devices.server_key import forget_cached_keys, public_key_b64, rotation_sign, server_public_key_b64
 from edge_agent.assignments import AdapterStore, AssignmentHandler
 from edge_agent.identity import STATE_FILE, AgentState
 from edge_agent.manifest import PURPOSE, ManifestRefused, trusted_server_key, verify_manifest
 from edge_agent.protocol import sign
 from edge_agent.rest import DeviceSession
-from fleet import server_key
-from fleet.server_key import forget_cached_keys, public_key_b64, rotation_sign, server_public_key_b64
 from training.models import Assignment
-from training.rollouts import assignment_create
-from training.services import version_create_seeded
+from training.registry.services import version_create_seeded
+from training.rollouts.lifecycle import assignment_create
 
 DEVICE = "0b7c7a8e-3c1f-4a51-9a35-000000000001"
 BASE = "ab" * 32

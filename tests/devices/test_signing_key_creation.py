@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.exceptions import ImproperlyConfigured
 from rest_framework.test import APIClient
 
+from devices import server_key
 from devices.models import Device, DeviceEvent, EnrollmentToken
+from devices.server_key import _load_or_create_file, forget_cached_keys, public_key_b64, server_private_key
 from edge_agent.identity import public_key_b64 as device_public_key_b64
-from fleet import server_key
-from fleet.server_key import _load_or_create_file, forget_cached_keys, public_key_b64, server_private_key
 
 ROOT = Path(__file__).resolve().parents[2]
 THREADS = 16
@@ -32,7 +32,7 @@ PROCESSES = 4
 _CHILD = """
 import json, sys, threading, time
 from pathlib import Path
-from fleet.server_key import _load_or_create_file, public_key_b64
+from devices.server_key import _load_or_create_file, public_key_b64
 
 path, go, count = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 keys, errors = [], []

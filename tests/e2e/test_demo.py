@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pytest
 
-from fleet.demo import plan
+from demo.fleet_demo import plan
 from tests.e2e.support import drop_stack, free_port, stack_env, start_launcher, stop_launcher
 from tests.e2e.test_agent_lifecycle import _Api, _say
 from tests.e2e.test_federated_round import _admin_token

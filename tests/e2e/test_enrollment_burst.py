@@ -19,9 +19,9 @@ import psycopg
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from devices.server_key import KEY_FILE_NAME, load_private_key, public_key_b64
 from edge_agent.identity import public_key_b64 as device_public_key_b64
 from edge_agent.protocol import sign, token_request_payload
-from fleet.server_key import KEY_FILE_NAME, load_private_key, public_key_b64
 from tests.e2e.support import drop_stack, free_port, stack_env, start_launcher, stop_launcher
 from tests.e2e.test_agent_lifecycle import _Api
 from tests.e2e.test_federated_round import _admin_token

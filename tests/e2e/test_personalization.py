@@ -1,8 +1,8 @@
 """A device's own model end to end (issue 25), real processes only: the launcher (web + Celery worker + beat) on
 the machine's PostgreSQL and Redis, and `python -m edge_agent` as a device runs it.
 
-Set up through the product's services (as ``fleet.demo.seed`` does): a cohort, the ``digits-cnn`` base trained at
-the factory (``fleet.demo.factory_base``), an adapter whose devices keep their classifier head to themselves
+Set up through the product's services (as ``demo.fleet_demo.seed`` does): a cohort, the ``digits-cnn`` base trained at
+the factory (``demo.fleet_demo.factory_base``), an adapter whose devices keep their classifier head to themselves
 (``private_modules``) and whose every accepted delta makes, releases and rolls out a version (fedavg, K = 1,
 ``auto_release``), version 1 rolled out, an enrollment token. The device is fed only by its application: one
 inbox file of a user who names two pairs of digits the other way round (``digits_users``, ``concept``), beside a
@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from demo.fleet_demo import BASE_CONFIG, FACTORY_FRACTION
 from edge_agent.api import Agent
 from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
@@ -40,7 +41,6 @@ from edge_agent.families.digits import load_split
 from edge_agent.families.digits_users import factory_split, profile_for, user_data
 from edge_agent.personal import PersonalStore, private_keys
 from edge_agent.samples import SampleStore
-from fleet.demo import BASE_CONFIG, FACTORY_FRACTION
 from tests.e2e.support import (
     ROOT,
     drop_stack,
@@ -69,9 +69,9 @@ from datetime import timedelta
 from django.utils import timezone
 from accounts.services import api_token_create, user_create
 from devices.services import cohort_create, enrollment_token_create
-from fleet.demo import BASE_CONFIG, factory_base
-from training.rollouts import rollout_create, rollout_start
-from training.services import adapter_create, base_model_create, version_create_seeded, version_transition
+from demo.fleet_demo import BASE_CONFIG, factory_base
+from training.rollouts.lifecycle import rollout_create, rollout_start
+from training.registry.services import adapter_create, base_model_create, version_create_seeded, version_transition
 
 admin = user_create(username={admin!r}, role="admin")
 cohort = cohort_create(name={cohort!r})

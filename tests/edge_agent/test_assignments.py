@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from devices.models import Device
+from devices.server_key import server_public_key_b64
 from edge_agent.assignments import AdapterStore, AssignmentHandler
 from edge_agent.identity import AgentState
 from edge_agent.rest import DeviceSession
-from fleet.server_key import server_public_key_b64
-from training.blobs import blob_read
 from training.models import Assignment
-from training.rollouts import assignment_create, rollout_create, rollout_start, rollout_tick
-from training.services import version_create_seeded
+from training.registry.blobs import blob_read
+from training.registry.services import version_create_seeded
+from training.rollouts.lifecycle import assignment_create, rollout_create, rollout_start, rollout_tick
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from fleet.env import database_from_url, env_bool, env_int, env_secret
+from core.env import database_from_url, env_bool, env_int, env_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 STRONG_SECRET = secrets.token_urlsafe(60)

@@ -18,9 +18,9 @@ from django.utils import timezone
 
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.services import enrollment_token_create
+from training.federation.rounds import round_open
 from training.models import AdapterVersion, Delta, Rollout, Round
-from training.rollouts import device_bucket, rollout_create
-from training.rounds import round_open
+from training.rollouts.lifecycle import device_bucket, rollout_create
 
 
 @pytest.fixture(autouse=True)

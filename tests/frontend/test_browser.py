@@ -138,9 +138,9 @@ def world(transactional_db, cohort, adapter, make_user):
     from devices.models import DeviceEvent, DeviceStatus
     from devices.services import enrollment_token_create
     from tests.frontend.conftest import make_deltas, make_devices
-    from training.rollouts import rollout_create
-    from training.rounds import round_open
-    from training.services import version_create_seeded
+    from training.federation.rounds import round_open
+    from training.registry.services import version_create_seeded
+    from training.rollouts.lifecycle import rollout_create
 
     for role in ("viewer", "operator", "admin"):
         make_user(role, username=f"ui-{role}", password=PASSWORD)
@@ -324,8 +324,8 @@ def test_operator_starts_and_pauses_a_rollout_and_closes_a_round(browser, server
 
 
 def test_live_events_update_the_page_without_a_reload_and_a_resync_rereads_it(browser, server_url, world):
+    from core.live import LiveEvent, publish
     from devices.models import Device
-    from frontend.live import LiveEvent, publish
     from tests.frontend.conftest import make_deltas
 
     ui = Dashboard(browser, server_url, "viewer")

@@ -8,14 +8,14 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
+from core.live import LiveEvent, apublish
 from devices import presence
 from devices.models import Device
 from devices.tasks import flush_presence
 from fleet.asgi import application
 from frontend.consumers import CLOSE_UNAUTHENTICATED
-from frontend.live import LiveEvent, apublish
 from tests.frontend.conftest import make_deltas, make_devices, make_versions
-from training.live import delta_payload
+from training.federation.events import delta_payload
 from training.models import Delta
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -74,7 +74,7 @@ def test_anonymous_and_foreign_origin_sockets_are_refused(make_user):
 
 
 def test_publish_from_sync_code_does_not_fail_without_listeners():
-    from frontend.live import publish
+    from core.live import publish
 
     publish(LiveEvent(kind="nobody.listening", data={}))
 
@@ -85,8 +85,8 @@ def test_publish_from_sync_code_reaches_the_dashboard_on_one_long_lived_loop(mak
     import asyncio
     import threading
 
-    from fleet import async_bridge
-    from frontend.live import publish
+    from core import async_bridge
+    from core.live import publish
 
     cookie = _session_cookie(make_user("viewer"))
 

@@ -60,7 +60,7 @@ PAGE_NAMES = [
 
 @pytest.mark.parametrize("page", PAGE_NAMES)
 def test_every_page_renders_for_the_roles_that_may_read_it(pages_world, client_for, page, monkeypatch):
-    monkeypatch.setattr("fleet.health.WORKER_PING_TIMEOUT", 0.1)  # the system page finds no worker: say so fast
+    monkeypatch.setattr("core.health.WORKER_PING_TIMEOUT", 0.1)  # the system page finds no worker: say so fast
     url, lowest = page_urls(pages_world)[page]
     for role in (None, "viewer", "operator", "admin"):
         response = client_for(role).get(url)

@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from devices.models import Cohort
 from tests.frontend.conftest import make_deltas, make_devices, make_versions
+from training.federation.rounds import round_open
 from training.models import Delta, Rollout, Round, TrainingEvent
-from training.rounds import round_open
 
 pytestmark = pytest.mark.django_db
 
@@ -45,7 +45,7 @@ def test_the_export_link_serves_a_peft_zip_to_operators(adapter, client_for):
     import io
     import zipfile
 
-    from training.services import version_create_seeded
+    from training.registry.services import version_create_seeded
 
     version = version_create_seeded(adapter=adapter, seed=1)
     response = client_for("operator").get(f"/api/v1/adapter-versions/{version.pk}/export/")
@@ -192,7 +192,7 @@ def test_a_bad_rollout_form_says_what_is_wrong_and_creates_nothing(pages_world, 
 
 
 def test_rollout_lifecycle_from_the_detail_page(pages_world, client_for):
-    from training.rollouts import device_bucket
+    from training.rollouts.lifecycle import device_bucket
 
     url = f"/rollouts/{pages_world.rollout.pk}"
     operator = client_for("operator")
@@ -219,7 +219,7 @@ def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_t
     pages_world, client_for, make_user
 ):
     from training.models import Assignment
-    from training.rollouts import rollout_start
+    from training.rollouts.lifecycle import rollout_start
 
     rollout_start(rollout=pages_world.rollout, actor=make_user("operator"))
     assigned = list(pages_world.rollout.assignments.all())

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from edge_agent.delta import decode_tensor, encode_delta, read_encoding
-from training.strategies import DeltaInput, get_strategy
+from training.federation.strategies import DeltaInput, get_strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 P = "base_model.model."

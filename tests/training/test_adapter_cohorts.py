@@ -10,7 +10,7 @@ from django.test import Client
 from devices.services import cohort_create
 from tests.frontend.conftest import make_versions
 from training.models import TrainingEvent
-from training.rollouts import rollout_create, rollout_pause, rollout_start
+from training.rollouts.lifecycle import rollout_create, rollout_pause, rollout_start
 
 pytestmark = pytest.mark.django_db
 

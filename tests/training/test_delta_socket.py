@@ -20,7 +20,7 @@ from edge_agent.protocol import (
 from fleet.asgi import application
 from tests.training.test_rounds import make_delta_tensors
 from training.models import Delta
-from training.services import version_create_seeded
+from training.registry.services import version_create_seeded
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,7 +30,7 @@ def _no_verification(monkeypatch):
     """These tests are about the transfer. A verification task queued by an upload would reach the session's
     Celery worker, if one runs, and could still be reading these tables when the test's flush truncates them
     (a deadlock PostgreSQL resolves by failing the flush); verification has its own tests."""
-    monkeypatch.setattr("training.verify_queue.queue_verification", lambda delta_id: None)
+    monkeypatch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: None)
 
 
 async def connected(device):

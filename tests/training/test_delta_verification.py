@@ -12,9 +12,9 @@ from safetensors.torch import save as save_safetensors
 
 from edge_agent.delta import encode_delta, sign_delta
 from edge_agent.protocol import b64encode
+from training.federation.verification import delta_verify
 from training.models import Delta
-from training.services import version_create_seeded
-from training.verification import delta_verify
+from training.registry.services import version_create_seeded
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_a_repeat_upload_after_the_staging_sweep_sends_its_bytes_again_and_is_st
     once beat's sweep removed that file, a repeat sends its bytes again and the unique insert answers."""
     from pathlib import Path
 
-    from training.intake import upload_append, upload_begin
+    from training.federation.intake import upload_append, upload_begin
 
     adapter, _, device, _ = setup
     data = encode_delta(small_delta(adapter, seed=5))
@@ -392,7 +392,7 @@ def test_abandoned_uploads_hold_a_devices_slots_only_until_they_expire(setup, se
     import time
     from pathlib import Path
 
-    from training.intake import MAX_STAGED_PER_DEVICE
+    from training.federation.intake import MAX_STAGED_PER_DEVICE
     from training.tasks import expire_staged_uploads
 
     adapter, _, device, client = setup

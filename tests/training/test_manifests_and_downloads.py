@@ -6,14 +6,14 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from devices.server_key import server_public_key_b64
 from edge_agent.download import DownloadError, download
 from edge_agent.manifest import ManifestRefused, verify_manifest
 from edge_agent.protocol import sign
-from fleet.server_key import server_public_key_b64
-from training.blobs import blob_read
-from training.manifests import manifest_sign
-from training.rollouts import assignment_create
-from training.services import version_create_seeded, version_transition
+from training.registry.blobs import blob_read
+from training.registry.services import version_create_seeded, version_transition
+from training.rollouts.lifecycle import assignment_create
+from training.rollouts.manifests import manifest_sign
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from safetensors.torch import save as save_safetensors
 
 from edge_agent.families.minilm import tokenize, toy_texts
 from edge_agent.lora_layers import apply_adapter
-from training.blobs import blob_read
-from training.services import (
+from training.registry.blobs import blob_read
+from training.registry.services import (
     adapter_create,
     base_model_create,
     build_base,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.rollouts import assignment_report, rollout_create, rollout_start, rollout_tick
-from training.services import version_create_seeded
+from training.registry.services import version_create_seeded
+from training.rollouts.lifecycle import assignment_report, rollout_create, rollout_start, rollout_tick
 
 pytestmark = pytest.mark.django_db
 

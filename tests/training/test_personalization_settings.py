@@ -7,12 +7,12 @@ import time
 
 import pytest
 
+from devices.server_key import server_public_key_b64
 from edge_agent.manifest import verify_manifest
-from fleet.server_key import server_public_key_b64
-from training.manifests import manifest_sign
 from training.models import Adapter, TrainingEvent
-from training.personalization_settings import PERSONALIZATION_DEFAULTS, personalization_settings
-from training.services import version_create_seeded
+from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS, personalization_settings
+from training.registry.services import version_create_seeded
+from training.rollouts.manifests import manifest_sign
 
 pytestmark = pytest.mark.django_db
 

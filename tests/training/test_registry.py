@@ -11,9 +11,9 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from training.blobs import blob_exists, blob_read
 from training.models import AdapterVersion, TrainingEvent
-from training.services import build_base, version_create_seeded, version_export_peft
+from training.registry.blobs import blob_exists, blob_read
+from training.registry.services import build_base, version_create_seeded, version_export_peft
 
 
 @pytest.mark.django_db
@@ -47,7 +47,7 @@ def test_an_exported_version_loads_with_peft_on_the_real_model(adapter):
     tensors = load_safetensors(blob_read(version.blob_sha256))
     # Make B non-zero so loading it visibly changes the model.
     tensors["base_model.model.fc1.lora_B.weight"] = torch.full((64, 4), 0.05)
-    from training.services import version_import
+    from training.registry.services import version_import
 
     changed = version_import(adapter=adapter, data=save_safetensors(tensors))
     archive = zipfile.ZipFile(io.BytesIO(version_export_peft(changed)))
@@ -231,9 +231,9 @@ def test_an_adapter_is_created_only_with_aggregation_settings_a_round_can_run(ap
 
 @pytest.mark.django_db
 def test_krum_mixes_unless_told_not_to_and_a_round_carries_the_mixing_it_runs(adapter):
-    from training.aggregation_settings import validate_aggregation
-    from training.rounds import round_open
-    from training.services import adapter_set_aggregation, version_create_seeded
+    from training.federation.aggregation_settings import validate_aggregation
+    from training.federation.rounds import round_open
+    from training.registry.services import adapter_set_aggregation, version_create_seeded
 
     version_create_seeded(adapter=adapter, seed=1)
     runs = {}

@@ -18,8 +18,9 @@ from devices.models import Device
 from devices.services import cohort_create, device_transition, device_update
 from tests.training.test_delta_socket import connected
 from training.models import Assignment, Rollout
-from training.rollout_joining import assignment_at_check_in
-from training.rollouts import (
+from training.registry.services import version_create_seeded
+from training.rollouts.joining import assignment_at_check_in
+from training.rollouts.lifecycle import (
     assignment_create,
     assignment_report,
     device_bucket,
@@ -30,7 +31,6 @@ from training.rollouts import (
     rollout_tick,
     round_result_release,
 )
-from training.services import version_create_seeded
 
 TWO_PHASES = [{"percent": 50, "min_soak_seconds": 60}, {"percent": 100, "min_soak_seconds": 0}]
 

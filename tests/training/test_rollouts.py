@@ -11,20 +11,20 @@ from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 
 from devices.models import Device
+from devices.server_key import server_public_key_b64
 from edge_agent.manifest import verify_manifest
 from edge_agent.protocol import encode, hello_payload, sign
 from fleet.asgi import application
-from fleet.server_key import server_public_key_b64
 from training.models import Assignment, Rollout, TrainingEvent
-from training.rollout_joining import assignment_for_newcomer
-from training.rollouts import (
+from training.registry.services import version_create_seeded
+from training.rollouts.joining import assignment_for_newcomer
+from training.rollouts.lifecycle import (
     assignment_report,
     device_bucket,
     rollout_create,
     rollout_start,
     rollout_tick,
 )
-from training.services import version_create_seeded
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def test_rollout_api_by_role_and_invalid_requests(api_client_for, fleet_of, vers
 
 @pytest.mark.django_db
 def test_device_reports_only_its_own_assignments_and_only_valid_metrics(fleet_of, versions, cohort, make_user):
-    from fleet.api.errors import ApiError
+    from core.api.errors import ApiError
 
     mine, theirs = fleet_of(2)
     operator = make_user("operator")
@@ -237,9 +237,9 @@ def test_a_device_gets_its_assignment_pushed_when_connected_and_at_hello_when_it
 
 @pytest.mark.django_db
 def test_a_rollout_needs_a_live_version_for_a_cohort_the_adapter_serves(versions, make_user):
+    from core.api.errors import ApiError
     from devices.services import cohort_create
-    from fleet.api.errors import ApiError
-    from training.services import version_transition
+    from training.registry.services import version_transition
 
     operator = make_user("operator")
     with pytest.raises(ApiError) as caught:

@@ -3,9 +3,9 @@
 import pytest
 
 from tests.training.test_rounds import make_delta_tensors, receive
+from training.federation.verification import delta_verify
 from training.models import Round
-from training.services import version_create_seeded
-from training.verification import delta_verify
+from training.registry.services import version_create_seeded
 
 
 @pytest.fixture

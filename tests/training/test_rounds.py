@@ -12,12 +12,12 @@ from django.db import connection
 from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import encode_delta, sign_delta
-from training.blobs import blob_read
-from training.intake import upload_append, upload_begin
+from training.federation.intake import upload_append, upload_begin
+from training.federation.rounds import round_close, round_open
+from training.federation.verification import delta_verify
 from training.models import AdapterVersion, Delta, Round
-from training.rounds import round_close, round_open
-from training.services import adapter_set_aggregation, version_create_seeded
-from training.verification import delta_verify
+from training.registry.blobs import blob_read
+from training.registry.services import adapter_set_aggregation, version_create_seeded
 
 
 def make_delta_tensors(adapter, seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
@@ -162,7 +162,7 @@ def test_a_real_worker_aggregates_a_full_round_into_the_fedavg_of_its_deltas(tra
 
 @pytest.mark.django_db(transaction=True)
 def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_worker_process):
-    from training.aggregation import round_aggregate
+    from training.federation.aggregation import round_aggregate
 
     adapter, version, devices = trained
     adapter_set_aggregation(
@@ -185,12 +185,12 @@ def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_wo
 def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(trained, monkeypatch):
     """The adapter's ``mixing`` reaches the round's params and the strategy (checked against a brute-force
     nearest-neighbour mixing and median over the flattened deltas)."""
-    from training.aggregation import round_aggregate
-    from training.tasks import aggregate_round
+    from training import dispatch
+    from training.federation.aggregation import round_aggregate
 
     # verified and aggregated right here (no wake flag raised either, so no later test waits on it)
-    monkeypatch.setattr("training.verify_queue.queue_verification", lambda delta_id: None)
-    monkeypatch.setattr(aggregate_round, "delay", lambda round_id: None)
+    monkeypatch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: None)
+    monkeypatch.setattr(dispatch, "aggregate_round", lambda round_id: None)
     adapter, version, devices = trained
     aggregation = {"strategy": "median", "mixing": "nnm", "byzantine": 1, "buffer_size": 5, "min_deltas": 1}
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation=aggregation)
@@ -218,7 +218,7 @@ def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(t
 
 @pytest.mark.django_db
 def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(trained, make_user):
-    from fleet.api.errors import ApiError
+    from core.api.errors import ApiError
     from training.models import TrainingEvent
 
     adapter, _, _ = trained
@@ -251,7 +251,7 @@ def test_a_delta_whose_verification_task_was_lost_is_queued_again_and_verified_o
     # was away, between the commit and the publish).
     lost = []
     with monkeypatch.context() as patch:
-        patch.setattr("training.verify_queue.queue_verification", lambda delta_id: lost.append(delta_id))
+        patch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: lost.append(delta_id))
         delta = receive(devices[0], adapter, make_delta_tensors(adapter, seed=70), counter=1)
     assert lost == [delta.pk]
     recent = receive(devices[1], adapter, make_delta_tensors(adapter, seed=71), counter=1)
@@ -279,8 +279,9 @@ def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
 
     from django.utils import timezone
 
-    from training.aggregation import aggregation_lock
-    from training.tasks import aggregate_round, requeue_stalled_rounds
+    from training import dispatch
+    from training.federation.aggregation import aggregation_lock
+    from training.tasks import requeue_stalled_rounds
 
     adapter, _, devices = trained
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})
@@ -291,7 +292,7 @@ def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
     # The round closes but its task never reaches a worker (the broker was away, or the worker that held it
     # was killed: the broker hands it out again only after its visibility timeout).
     with monkeypatch.context() as patch:
-        patch.setattr(aggregate_round, "delay", lambda round_id: None)
+        patch.setattr(dispatch, "aggregate_round", lambda round_id: None)
         round_ = round_close(round_=Round.objects.get(), actor=make_user("operator"))
     assert round_.state == Round.State.AGGREGATING
     closed_long_ago = timezone.now() - timedelta(seconds=settings.ROUND_AGGREGATION_RESCUE_SECONDS + 5)

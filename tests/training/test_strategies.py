@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-import training.strategies.base as strategies_base
+import training.federation.strategies.base as strategies_base
 from tests.training.strategy_support import (
     A_KEYS,
     ALL,
@@ -28,7 +28,7 @@ from tests.training.strategy_support import (
     weighted_reference,
     write,
 )
-from training.strategies import STRATEGIES, DeltaInput, get_strategy, shards
+from training.federation.strategies import STRATEGIES, DeltaInput, get_strategy, shards
 
 
 def test_registry_names_every_strategy_and_refuses_unknown_ones():
@@ -316,7 +316,7 @@ def test_deltas_are_opened_one_at_a_time(tmp_path, open_handles, name):
 
 RSS_SCRIPT = """
 import resource, sys
-from training.strategies import DeltaInput, get_strategy
+from training.federation.strategies import DeltaInput, get_strategy
 path, n = sys.argv[1], int(sys.argv[2])
 spec = {"base_model.model.big.lora_B.weight": {"shape": [2048, 2048], "dtype": "F32"}}
 out = get_strategy("fedavg").aggregate([DeltaInput(path, 1 + i) for i in range(n)], spec=spec, base={}, params={})

@@ -20,8 +20,8 @@ from tests.training.strategy_support import (
     weighted_reference,
     write,
 )
-from training.strategies import DeltaInput
-from training.strategies.dp import dp_epsilon, epsilon_if_round_runs
+from training.federation.strategies import DeltaInput
+from training.federation.strategies.dp import dp_epsilon, epsilon_if_round_runs
 
 
 def test_dp_clips_unweighted_and_recomputes_norms(tmp_path):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import training.strategies.robust as strategies_robust
+import training.federation.strategies.robust as strategies_robust
 from tests.training.strategy_support import (
     SPEC,
     assert_same,
@@ -20,8 +20,8 @@ from tests.training.strategy_support import (
     weighted_reference,
     write,
 )
-from training.strategies import DeltaInput
-from training.strategies.robust import chunk_plan
+from training.federation.strategies import DeltaInput
+from training.federation.strategies.robust import chunk_plan
 
 
 def stacked_reference(inputs, factors=None):

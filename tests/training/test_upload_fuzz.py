@@ -45,10 +45,10 @@ from tests.training.upload_fuzz_support import (
     envelope_text,
     put,
 )
-from training.aggregation_settings import aggregation_settings
+from training.federation.aggregation_settings import aggregation_settings
+from training.federation.verification import delta_verify
 from training.models import Delta
-from training.services import version_create_seeded
-from training.verification import delta_verify
+from training.registry.services import version_create_seeded
 
 pytestmark = pytest.mark.django_db
 

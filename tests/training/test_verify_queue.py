@@ -1,4 +1,5 @@
-"""Verification in batches (``training.verify_queue``): an upload wakes its shard's drainer only when it is not
+"""Verification in batches (``training.federation.verify_queue``):
+an upload wakes its shard's drainer only when it is not
 awake already, a drainer verifies every received delta of its shard (also one that arrives while it finishes),
 one delta failing does not stop the others, and a shard whose drainer died is looked at again. A batch's
 outcomes, written together, are the ones each delta gets on its own: replays, rejections, full rounds.
@@ -12,20 +13,20 @@ import pytest
 from django.core.cache import cache
 
 from tests.training.test_rounds import make_delta_tensors, receive
-from training import verify_queue
+from training.federation import verify_queue
 from training.models import Delta
-from training.services import adapter_set_aggregation, version_create_seeded
+from training.registry.services import adapter_set_aggregation, version_create_seeded
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def wakes(monkeypatch, settings):
-    """The shards whose drain task was queued, in order (``verify_shard.delay``), the delayed looks again
-    (``apply_async``) and the closed rounds handed to aggregation (``aggregate_round.delay``, kept from the
+    """The shards whose drain task was queued, in order (``dispatch.verify_shard``), the delayed looks again
+    (with a countdown) and the closed rounds handed to aggregation (``dispatch.aggregate_round``, kept from the
     test session's Celery worker, whose aggregation would race the teardown's flush); every flag, lock and
     look-again mark starts down, and is lowered again after the test."""
-    from training.tasks import aggregate_round, verify_shard
+    from training import dispatch
 
     settings.DELTA_VERIFY_SHARDS = shards = 4  # a test may lower it; its shards are among these
 
@@ -35,9 +36,15 @@ def wakes(monkeypatch, settings):
 
     lower_everything()
     queued: dict[str, list] = {"delay": [], "later": [], "aggregate": []}
-    monkeypatch.setattr(verify_shard, "delay", lambda shard: queued["delay"].append(shard))
-    monkeypatch.setattr(aggregate_round, "delay", lambda round_id: queued["aggregate"].append(round_id))
-    monkeypatch.setattr(verify_shard, "apply_async", lambda args, countdown: queued["later"].append((args, countdown)))
+
+    def verify_shard(shard, *, countdown=None):
+        if countdown is None:
+            queued["delay"].append(shard)
+        else:
+            queued["later"].append(((shard,), countdown))
+
+    monkeypatch.setattr(dispatch, "verify_shard", verify_shard)
+    monkeypatch.setattr(dispatch, "aggregate_round", lambda round_id: queued["aggregate"].append(round_id))
     yield queued
     lower_everything()  # a flag raised here has no task behind it: it must not hold back a later test's wake
 
@@ -56,13 +63,13 @@ def fleet(adapter, cohort, enrolled):
 def batch_only(monkeypatch):
     """Fail any delta the batch path does not record itself: the one-by-one fallbacks (``delta_verify``, and
     ``_record_one_by_one`` after a replay) raise, and a delta they would have verified stays ``received``."""
-    import training.verification
+    import training.federation.verification
 
     def fell_back(*args, **kwargs):
         raise AssertionError("the batch fell back to one by one")
 
-    monkeypatch.setattr(training.verification, "delta_verify", fell_back)
-    monkeypatch.setattr(training.verification, "_record_one_by_one", fell_back)
+    monkeypatch.setattr(training.federation.verification, "delta_verify", fell_back)
+    monkeypatch.setattr(training.federation.verification, "_record_one_by_one", fell_back)
 
 
 def _upload(fleet, count: int, first: int = 0) -> list[Delta]:
@@ -118,17 +125,17 @@ def test_a_delta_arriving_while_the_drainer_finishes_is_verified_by_it(wakes, fl
 @pytest.fixture
 def broken_checks(monkeypatch) -> set[int]:
     """The ids of deltas whose checks raise (a bug in a check, say): a set the test fills, and may clear."""
-    import training.verification
+    import training.federation.verification
 
     broken: set[int] = set()
-    real_judge = training.verification.delta_judge
+    real_judge = training.federation.verification.delta_judge
 
     def judge_unless_broken(delta, memo=None):
         if delta.pk in broken:
             raise RuntimeError("a bug in a check")
         return real_judge(delta, memo)
 
-    monkeypatch.setattr(training.verification, "delta_judge", judge_unless_broken)
+    monkeypatch.setattr(training.federation.verification, "delta_judge", judge_unless_broken)
     return broken
 
 
@@ -149,7 +156,7 @@ def test_a_delta_whose_verification_breaks_is_left_for_the_rescue_and_the_batch_
 
     # Beat's rescue (``verify_delta``, one by one) verifies it once the trouble is gone.
     broken_checks.clear()
-    from training.verification import delta_verify
+    from training.federation.verification import delta_verify
 
     assert delta_verify(delta_id=broken).state == Delta.State.ACCEPTED
 
@@ -257,19 +264,19 @@ def test_a_batch_with_a_replay_and_rejections_gives_each_delta_its_own_outcome(
 ):
     import math
 
-    import training.verification
+    import training.federation.verification
     from devices.models import Device
     from training.models import Round
 
     settings.DELTA_VERIFY_SHARDS = 1
     adapter, devices = fleet
-    real_judge, judged = training.verification.delta_judge, []
+    real_judge, judged = training.federation.verification.delta_judge, []
 
     def counting_judge(delta, memo=None):
         judged.append(delta.pk)
         return real_judge(delta, memo)
 
-    monkeypatch.setattr(training.verification, "delta_judge", counting_judge)
+    monkeypatch.setattr(training.federation.verification, "delta_judge", counting_judge)
     good = _upload(fleet, 4)  # counters 0..3 on devices 0..3
     replay = receive(devices[0], adapter, make_delta_tensors(adapter, seed=50), counter=0)  # device 0's counter again
     tensors = make_delta_tensors(adapter, seed=51)
@@ -329,7 +336,7 @@ def test_a_batch_of_two_adapters_puts_each_delta_in_its_own_adapter_s_round(
     wakes, fleet, settings, batch_only, base_model, cohort, make_user
 ):
     from training.models import Round
-    from training.services import adapter_create
+    from training.registry.services import adapter_create
 
     settings.DELTA_VERIFY_SHARDS = 1
     adapter, devices = fleet
@@ -364,7 +371,7 @@ def test_a_batch_for_an_adapter_that_opens_no_rounds_leaves_its_deltas_accepted_
 
 
 def test_a_batch_leaves_out_a_delta_verified_meanwhile_and_counts_it_once(wakes, fleet, settings):
-    from training.verification import delta_judge, delta_record_batch, delta_verify
+    from training.federation.verification import delta_judge, delta_record_batch, delta_verify
 
     settings.DELTA_VERIFY_SHARDS = 1
     deltas = _upload(fleet, 3)
@@ -387,12 +394,12 @@ import django
 
 django.setup()
 
-import training.verification
-from training import verify_queue
+import training.federation.verification
+from training.federation import verify_queue
 from training.tasks import aggregate_round, verify_shard
 
 verify_shard.delay = verify_shard.apply_async = aggregate_round.delay = lambda *args, **kwargs: None
-poison, judge = int(os.environ["POISON"]), training.verification.delta_judge
+poison, judge = int(os.environ["POISON"]), training.federation.verification.delta_judge
 
 
 def dies_on_poison(delta, memo=None):
@@ -401,7 +408,7 @@ def dies_on_poison(delta, memo=None):
     return judge(delta, memo)
 
 
-training.verification.delta_judge = dies_on_poison
+training.federation.verification.delta_judge = dies_on_poison
 print(verify_queue.shard_drain(0))
 """
 
@@ -462,7 +469,7 @@ def test_a_delta_that_kills_its_worker_every_time_is_rejected_after_the_cap_and_
 def test_a_delta_whose_checks_raise_every_time_is_rejected_after_the_cap_not_rescued_for_ever(
     wakes, fleet, broken_checks, settings
 ):
-    from training.verification import delta_verify
+    from training.federation.verification import delta_verify
 
     settings.DELTA_VERIFY_SHARDS = 1
     settings.DELTA_VERIFY_MAX_ATTEMPTS = 3

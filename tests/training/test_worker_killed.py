@@ -14,10 +14,10 @@ import torch
 
 from edge_agent.delta import encode_delta, sign_delta
 from tests.conftest import start_worker, stop_worker
-from training.intake import upload_append, upload_begin
+from training.federation.intake import upload_append, upload_begin
+from training.federation.verification import delta_verify
 from training.models import AdapterVersion, Delta, Round
-from training.services import adapter_create, adapter_set_aggregation, base_model_create, version_create_seeded
-from training.verification import delta_verify
+from training.registry.services import adapter_create, adapter_set_aggregation, base_model_create, version_create_seeded
 
 
 @pytest.mark.django_db(transaction=True)

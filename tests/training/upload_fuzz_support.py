@@ -20,10 +20,10 @@ from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import sign_delta
 from edge_agent.protocol import b64encode
-from training.artifacts import MAX_HEADER_BYTES, MAX_TENSORS
-from training.intake import upload_state
+from training.federation.intake import upload_state
+from training.federation.verification import delta_verify
 from training.models import Delta
-from training.verification import delta_verify
+from training.registry.artifacts import MAX_HEADER_BYTES, MAX_TENSORS
 
 SEED = 20_240_611
 CREATED_AT = 1_700_000_000.5

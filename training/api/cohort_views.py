@@ -8,11 +8,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.roles import Role
+from core.api.errors import ApiError, ErrorBodySerializer
+from core.api.serializers import StrictTypesMixin
 from devices.models import Cohort
-from fleet.api.errors import ApiError, ErrorBodySerializer
-from fleet.api.serializers import StrictTypesMixin
 from training.models import Adapter
-from training.services import adapter_set_cohorts
+from training.registry.services import adapter_set_cohorts
 
 COHORTS_HELP = (
     "Every cohort the adapter serves, by name: the list replaces the one it had ([] for none). Its devices "

@@ -16,9 +16,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.roles import Role
+from core.api.errors import ApiError, ErrorBodySerializer
 from devices.authentication import DeviceTokenAuthentication, IsDevice
 from edge_agent.protocol import b64decode
-from fleet.api.errors import ApiError, ErrorBodySerializer
 from training.api.round_serializers import (
     AggregationConfigSerializer,
     DeltaSerializer,
@@ -26,27 +26,14 @@ from training.api.round_serializers import (
     RoundOpenSerializer,
     RoundSerializer,
 )
-from training.intake import UploadRefused, UploadState, upload_append, upload_begin, upload_state
+from training.federation.intake import UploadRefused, upload_append, upload_begin, upload_state
+from training.federation.rounds import round_close, round_open, round_rerun
 from training.models import Adapter, Delta, Round
-from training.rounds import round_close, round_open, round_rerun
-from training.services import adapter_set_aggregation
+from training.registry.services import adapter_set_aggregation
 
 CHUNK = 1024 * 1024
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
-
-
-def upload_state_body(state: UploadState) -> dict:
-    delta = state.delta
-    return {
-        "sha256": state.sha256,
-        "size": state.size,
-        "offset": state.offset,
-        "delta_id": delta.pk if delta else None,
-        "state": delta.state if delta else "uploading",
-        "rejection_code": delta.rejection_code if delta else "",
-        "rejection_detail": delta.rejection_detail if delta else "",
-    }
 
 
 def _refused(exc: UploadRefused) -> ApiError:
@@ -73,7 +60,7 @@ class DeviceDeltaView(APIView):
         state = upload_state(device=self._device(request, sha256), sha256=sha256)
         if state is None:
             raise ApiError("not_found", "No upload of this file from this device.", status_code=404)
-        return Response(upload_state_body(state))
+        return Response(state.body())
 
     @extend_schema(
         request={"application/octet-stream": OpenApiTypes.BINARY},
@@ -130,7 +117,7 @@ class DeviceDeltaView(APIView):
         except UploadRefused as exc:
             raise _refused(exc) from None
         code = status.HTTP_201_CREATED if state.delta is not None and state.delta.state != "uploading" else 200
-        return Response(upload_state_body(state), status=code)
+        return Response(state.body(), status=code)
 
 
 def _round_queryset():

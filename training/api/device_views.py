@@ -8,9 +8,9 @@ from django.http import HttpResponse, StreamingHttpResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.views import APIView
 
+from core.api.errors import ApiError
 from devices.authentication import DeviceTokenAuthentication, IsDevice
-from fleet.api.errors import ApiError
-from training.blobs import blob_name, blob_open
+from training.registry.blobs import blob_name, blob_open
 from training.selectors import device_may_download
 
 CHUNK = 256 * 1024

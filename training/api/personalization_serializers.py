@@ -5,8 +5,8 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from fleet.api.serializers import StrictTypesMixin
-from training.personalization_settings import (
+from core.api.serializers import StrictTypesMixin
+from training.registry.personalization_settings import (
     PERSONALIZATION_HELP,
     PERSONALIZATION_SCHEMA,
     personalization_settings,

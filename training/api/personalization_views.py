@@ -7,16 +7,16 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.roles import Role
+from core.api.errors import ApiError
 from devices.selectors import adapter_personalization
-from fleet.api.errors import ApiError
 from training.api.personalization_serializers import (
     AdapterPersonalizationSerializer,
     PersonalizationPutSerializer,
     PersonalizationSettingSerializer,
 )
 from training.models import Adapter
-from training.personalization_settings import personalization_settings
-from training.services import adapter_set_personalization
+from training.registry.personalization_settings import personalization_settings
+from training.registry.services import adapter_set_personalization
 
 
 def _adapter(pk: int) -> Adapter:

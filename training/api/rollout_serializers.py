@@ -1,11 +1,11 @@
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.api.serializers import StrictTypesMixin
 from devices.models import Cohort
-from fleet.api.serializers import StrictTypesMixin
 from training.models import AdapterVersion, Assignment, Rollout
-from training.rollout_progress import GONE_RULES, counts_for, counts_summary
-from training.rollouts import REPORTABLE_METRICS
+from training.rollouts.lifecycle import REPORTABLE_METRICS
+from training.rollouts.progress import GONE_RULES, counts_for, counts_summary
 
 
 @extend_schema_field(
@@ -24,7 +24,7 @@ from training.rollouts import REPORTABLE_METRICS
     }
 )
 class PhasesField(serializers.JSONField):
-    """Checked by training.rollouts.validate_phases (which also wants the percents rising)."""
+    """Checked by training.rollouts.lifecycle.validate_phases (which also wants the percents rising)."""
 
 
 @extend_schema_field(
@@ -44,7 +44,7 @@ class PhasesField(serializers.JSONField):
     }
 )
 class GuardsField(serializers.JSONField):
-    """Checked by training.rollouts.validate_guards (which also wants a min or a max)."""
+    """Checked by training.rollouts.lifecycle.validate_guards (which also wants a min or a max)."""
 
 
 _COUNT = {"type": "integer", "minimum": 0}
@@ -67,7 +67,7 @@ _COUNT = {"type": "integer", "minimum": 0}
     }
 )
 class DeviceCountsField(serializers.DictField):
-    """training.rollout_progress.counts_for"""
+    """training.rollouts.progress.counts_for"""
 
 
 class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
@@ -146,7 +146,7 @@ class RolloutDetailSerializer(RolloutSerializer):
         fields = RolloutSerializer.Meta.fields + ["guard_report"]
 
     def get_guard_report(self, rollout) -> list[dict]:
-        from training.rollouts import guard_report
+        from training.rollouts.lifecycle import guard_report
 
         return guard_report(rollout)
 
@@ -185,7 +185,7 @@ class AssignmentSerializer(serializers.ModelSerializer):
     {"type": "object", "additionalProperties": {"type": "number"}, "maxProperties": REPORTABLE_METRICS}
 )
 class ReportMetricsField(serializers.DictField):
-    """Checked by training.rollouts.assignment_report (finite numbers, names of at most 64 characters)."""
+    """Checked by training.rollouts.lifecycle.assignment_report (finite numbers, names of at most 64 characters)."""
 
 
 class AssignmentReportSerializer(StrictTypesMixin, serializers.Serializer):

@@ -8,8 +8,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.roles import Role
+from core.api.errors import ErrorBodySerializer
 from devices.authentication import DeviceTokenAuthentication, IsDevice
-from fleet.api.errors import ErrorBodySerializer
 from training.api.rollout_serializers import (
     AssignmentReportSerializer,
     AssignmentSerializer,
@@ -17,11 +17,10 @@ from training.api.rollout_serializers import (
     RolloutDetailSerializer,
     RolloutSerializer,
 )
-from training.delivery import assignment_message, current_assignment
 from training.models import Assignment, Rollout
-from training.rollout_joining import assignment_at_check_in
-from training.rollout_progress import annotate_device_counts
-from training.rollouts import (
+from training.rollouts.delivery import assignment_message, current_assignment
+from training.rollouts.joining import assignment_at_check_in
+from training.rollouts.lifecycle import (
     assignment_report,
     rollout_abort,
     rollout_create,
@@ -30,6 +29,7 @@ from training.rollouts import (
     rollout_rollback,
     rollout_start,
 )
+from training.rollouts.progress import annotate_device_counts
 
 _COUNTS = {state: Count("assignments", filter=Q(assignments__state=state)) for state in Assignment.State.values}
 

@@ -1,8 +1,8 @@
 from rest_framework import serializers
 
-from fleet.api.serializers import JsonObjectField, StrictTypesMixin
-from training.aggregation_settings import AGGREGATION_HELP, validate_aggregation, validate_dp
+from core.api.serializers import JsonObjectField, StrictTypesMixin
 from training.api.serializers import settings_checked
+from training.federation.aggregation_settings import AGGREGATION_HELP, validate_aggregation, validate_dp
 from training.models import Adapter, Delta, Round
 
 

@@ -1,12 +1,12 @@
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.api.serializers import JsonObjectField, StrictTypesMixin
 from devices.models import Cohort
-from fleet.api.serializers import JsonObjectField, StrictTypesMixin
-from training.aggregation_settings import AGGREGATION_HELP, validate_aggregation
 from training.api.personalization_serializers import PersonalizationField
+from training.federation.aggregation_settings import AGGREGATION_HELP, validate_aggregation
 from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
-from training.personalization_settings import PERSONALIZATION_HELP
+from training.registry.personalization_settings import PERSONALIZATION_HELP
 
 
 class BaseModelSerializer(serializers.ModelSerializer):

@@ -11,7 +11,7 @@ from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.response import Response
 
 from accounts.roles import Role
-from fleet.api.errors import ApiError, ErrorBodySerializer
+from core.api.errors import ApiError, ErrorBodySerializer
 from training.api.serializers import (
     AdapterSerializer,
     AdapterVersionSerializer,
@@ -22,7 +22,7 @@ from training.api.serializers import (
     VersionActionSerializer,
 )
 from training.models import Adapter, AdapterVersion, BaseModel
-from training.services import (
+from training.registry.services import (
     MAX_ARTIFACT_BYTES,
     adapter_create,
     base_model_create,

@@ -31,7 +31,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, show, new_key_file, new_key, **options):
         from devices.models import ServerKeyRotation
-        from fleet.server_key import key_file, load_private_key, rotate_server_key, server_public_key_b64
+        from devices.server_key import key_file, load_private_key, rotate_server_key, server_public_key_b64
 
         if show:
             self.stdout.write(f"current key: {server_public_key_b64()} ({key_file() or 'from SERVER_SIGNING_KEY'})")

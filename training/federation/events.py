@@ -1,4 +1,4 @@
-"""Live events about deltas and rounds for open dashboards (typed payloads, through ``frontend.live``).
+"""Live events about deltas and rounds for open dashboards (typed payloads, through ``core.live``).
 
 Also tells the device how its delta ended, over its socket when it is connected (``devices.push``); a
 device that is offline reads the outcome over REST (``GET /api/v1/device/deltas/<sha256>/``).
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from frontend.live import LiveEvent, publish
+from core.live import LiveEvent, publish
+from devices.push import device_command
 from training.models import Delta
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def delta_event(delta) -> None:
 
 
 def _tell_device(delta) -> None:
-    from devices.push import device_command
-
     try:
         device_command(
             str(delta.device_id),

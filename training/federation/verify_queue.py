@@ -32,6 +32,8 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db.models import F
 
+from training import dispatch
+
 logger = logging.getLogger(__name__)
 BATCH = 16  # deltas loaded per query, judged one by one and recorded in one transaction
 DRAIN_SECONDS = 2.0  # then the drainer hands its shard to a fresh task, so aggregation gets a process too
@@ -58,10 +60,8 @@ def _recheck(shard: int) -> str:
 def _look_again(shard: int, countdown: int) -> None:
     """Queue a drain of the shard ``countdown`` seconds from now, unless one is queued already (at most one
     per shard within LOCK_SECONDS)."""
-    from training.tasks import verify_shard
-
     if cache.add(_recheck(shard), 1, timeout=LOCK_SECONDS):
-        verify_shard.apply_async((shard,), countdown=countdown)
+        dispatch.verify_shard(shard, countdown=countdown)
 
 
 # A drainer renews or lets go of the shard's lock only while the lock holds its own token: one that outlived
@@ -84,13 +84,11 @@ def _lock_if_held(script: str, shard: int, token: int, *args) -> bool:
 
 def queue_verification(delta_id: int) -> None:
     """Have a received delta verified: wake its shard's drainer unless it is awake already."""
-    from training.tasks import verify_shard
-
     shard = shard_of(delta_id)
     try:
         if cache.add(_flag(shard), delta_id, timeout=WAKE_SECONDS):
             try:
-                verify_shard.delay(shard)
+                dispatch.verify_shard(shard)
             except Exception:
                 cache.delete(_flag(shard))  # let the next upload try; if Redis is away this fails too
                 raise
@@ -115,9 +113,7 @@ def _task_failures() -> tuple:
     """What fails the whole task, for Celery to retry: PostgreSQL or Redis away, or its soft time limit."""
     from celery.exceptions import SoftTimeLimitExceeded
 
-    from training.tasks import TRANSIENT_ERRORS
-
-    return (*TRANSIENT_ERRORS, SoftTimeLimitExceeded)
+    return (*dispatch.TRANSIENT_ERRORS, SoftTimeLimitExceeded)
 
 
 @contextmanager
@@ -141,7 +137,7 @@ def _verify_batch(batch: list, failed: set[int]) -> None:
     A delta tried before without an outcome (its worker died, or its checks raised) is verified on its own
     after the rest, fewest tries first: one that kills its worker every time takes no other delta's verdict
     with it, and is rejected once past DELTA_VERIFY_MAX_ATTEMPTS (``given_up``)."""
-    from training.verification import delta_attempt, delta_judge, delta_verify
+    from training.federation.verification import delta_attempt, delta_judge, delta_verify
 
     retried = sorted((d for d in batch if d.verify_attempts), key=lambda d: (d.verify_attempts, d.pk))
     fresh = [d for d in batch if not d.verify_attempts]
@@ -159,7 +155,7 @@ def _verify_batch(batch: list, failed: set[int]) -> None:
 
 
 def _record_judged(judged: list, failed: set[int]) -> None:
-    from training.verification import delta_record_batch, delta_verify
+    from training.federation.verification import delta_record_batch, delta_verify
 
     try:
         delta_record_batch(judged)
@@ -179,8 +175,6 @@ def shard_drain(shard: int) -> int:
     Returns at once when another drainer holds the shard: that one looks at the flag before it stops. In
     case that one died holding it (a killed worker: the lock outlives it by up to LOCK_SECONDS), a look
     again after that is queued, at most one per shard at a time."""
-    from training.tasks import verify_shard
-
     done, deadline, more, lost, failed = 0, time.monotonic() + DRAIN_SECONDS, False, False, set()
     if (token := _lock_take(shard)) is None:
         _look_again(shard, countdown=LOCK_SECONDS + 1)
@@ -203,7 +197,7 @@ def shard_drain(shard: int) -> int:
             _look_again(shard, countdown=1)  # in case nobody took it
             break
         if more:  # out of time with work left: a fresh task goes on, behind whatever else is queued
-            verify_shard.delay(shard)
+            dispatch.verify_shard(shard)
             break
         if cache.get(_flag(shard)) is None:
             break  # nobody woke the shard since its last look

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from edge_agent.families import get_family
+from edge_agent.lora_layers import apply_adapter
 
 logger = logging.getLogger(__name__)
 _DATASETS: dict[tuple[str, str], object] = {}
@@ -23,8 +24,7 @@ def evaluate_tensors(adapter, tensors: dict[str, torch.Tensor]) -> dict:
     if not (hasattr(family, "dataset") and hasattr(family, "evaluate")):
         return {}
     try:
-        from edge_agent.lora_layers import apply_adapter
-        from training.services import build_base
+        from training.registry.services import build_base
 
         cache_key = (base_model.family, repr(sorted(base_model.family_config.items())))
         if cache_key not in _DATASETS:

@@ -2,7 +2,7 @@
 
 Every change to a round happens under a row lock on it, so deltas racing a close land either in the
 closing round (before the close) or in the next one (after it): none lost, none counted twice. Closing
-hands the round to a Celery task (``training.aggregation``) through ``transaction.on_commit``.
+hands the round to a Celery task (``training.federation.aggregation``) through ``transaction.on_commit``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from core.api.errors import ApiError
+from core.queries import only_row
 from devices.models import Device, DeviceStatus
-from fleet.api.errors import ApiError
-from fleet.queries import only_row
-from training.aggregation_settings import STRATEGY_PARAMS, aggregation_settings, dp_settings
+from training import dispatch
+from training.federation.aggregation_settings import STRATEGY_PARAMS, aggregation_settings, dp_settings
 from training.models import Adapter, AdapterVersion, Delta, Round
-from training.services import _record
+from training.registry.services import _record
 
 
 def newest_version(adapter: Adapter) -> AdapterVersion | None:
@@ -35,7 +36,7 @@ def dp_sample_rate(adapter: Adapter, buffer_size: int) -> float:
 
 
 def dp_epsilon_after_round(adapter: Adapter, buffer_size: int) -> float:
-    from training.strategies.dp import epsilon_if_round_runs
+    from training.federation.strategies.dp import epsilon_if_round_runs
 
     dp = dp_settings(adapter)
     history = [tuple(step) for step in adapter.dp_history]
@@ -145,9 +146,10 @@ def round_admit(*, delta: Delta) -> Round | None:
 
 
 def round_admit_many(deltas: list[Delta]) -> None:
-    """``round_admit`` for a batch of just-accepted deltas of one adapter (``training.verification``'s batch),
-    setting each one's round: while the collecting round has room, one lock, one update, one count and one
-    progress event for all of them. The deltas that do not fit once it is full go to the next round, which
+    """``round_admit`` for a batch of just-accepted deltas of one adapter (the batch of
+    ``training.federation.verification``), setting each one's round: while the collecting round has room, one
+    lock, one update, one count and one progress event for all of them. The deltas that do not fit once it is
+    full go to the next round, which
     the first of them opens as ``round_admit`` does (opening adopts the others waiting). Runs inside the
     caller's transaction."""
     pending = list(deltas)
@@ -225,7 +227,7 @@ def _close_if_due(round_: Round, count: int | None = None) -> bool:
 
 
 def _progress(round_: Round, count: int) -> None:
-    from training.live import round_event
+    from training.federation.events import round_event
 
     transaction.on_commit(lambda: round_event(round_, deltas=count))
 
@@ -238,9 +240,7 @@ def _close(round_: Round, reason: str, count: int, actor=None) -> bool:
         return False
     round_.refresh_from_db()
     _record("round.closed", actor=actor, adapter=round_.adapter, round=round_.pk, reason=reason, deltas=count)
-    from training.tasks import aggregate_round
-
-    transaction.on_commit(lambda: aggregate_round.delay(round_.pk))
+    transaction.on_commit(lambda: dispatch.aggregate_round(round_.pk))
     _progress(round_, count)
     return True
 
@@ -269,9 +269,7 @@ def round_rerun(*, round_: Round, actor) -> Round:
         )
     Round.objects.filter(pk=locked.pk).update(state=Round.State.AGGREGATING, failure="")
     _record("round.rerun", actor=actor, adapter=locked.adapter, round=locked.pk)
-    from training.tasks import aggregate_round
-
-    transaction.on_commit(lambda: aggregate_round.delay(locked.pk))
+    transaction.on_commit(lambda: dispatch.aggregate_round(locked.pk))
     locked.refresh_from_db()
     return locked
 
@@ -293,7 +291,7 @@ def stalled_rounds() -> list[int]:
     now: their task was lost (a worker killed while it held the task, which the broker hands out again only
     after its visibility timeout, or the broker away when the round closed). Each is picked at most once per
     that period, so a large round whose chord of shards is still running is not queued again every minute."""
-    from training.aggregation import aggregation_running
+    from training.federation.aggregation import aggregation_running
 
     period = settings.ROUND_AGGREGATION_RESCUE_SECONDS
     older_than = timezone.now() - timedelta(seconds=period)

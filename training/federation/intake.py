@@ -5,7 +5,7 @@ the existing delta when this device already uploaded that file (a repeat is ackn
 twice), else the bytes already staged. ``upload_append`` adds bytes at exactly that offset, refusing
 anything past the declared size or the server's limit, and on the last byte stores the file by hash,
 creates the ``Delta`` row (state ``received``) and enqueues its verification. Everything about trusting the
-contents happens later, in the Celery worker (``training.verification``).
+contents happens later, in the Celery worker (``training.federation.verification``).
 
 Partial files live in ``DELTA_STAGING_DIR/<device>/<sha256>.part`` with the envelope beside them; a lock per
 file keeps two connections of one device from interleaving writes.
@@ -27,11 +27,11 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from core.queries import only_row
 from edge_agent.delta import parse_envelope
-from fleet.queries import only_row
-from training.blobs import blob_put_bytes, blob_put_file
-from training.live import announce_delta
+from training.federation.events import announce_delta
 from training.models import Delta
+from training.registry.blobs import blob_put_bytes, blob_put_file
 
 logger = logging.getLogger(__name__)
 MAX_STAGED_PER_DEVICE = 4
@@ -53,6 +53,19 @@ class UploadState:
     size: int
     offset: int
     delta: Delta | None = None  # set once the file is complete (or was refused with a stored rejection)
+
+    def body(self) -> dict:
+        """Where the upload stands, as the socket's ``delta_state`` and the REST upload's answer give it."""
+        delta = self.delta
+        return {
+            "sha256": self.sha256,
+            "size": self.size,
+            "offset": self.offset,
+            "delta_id": delta.pk if delta else None,
+            "state": delta.state if delta else "uploading",
+            "rejection_code": delta.rejection_code if delta else "",
+            "rejection_detail": delta.rejection_detail if delta else "",
+        }
 
 
 def _staging(device_id, sha256: str) -> tuple[Path, Path]:
@@ -316,7 +329,7 @@ def _finish(device, staged: dict, channel: str, *, part: Path | None = None, dat
         )
     delta = _row(device, envelope, staged["signature"], channel, **fields)
     if delta.state == Delta.State.RECEIVED:
-        from training.verify_queue import queue_verification
+        from training.federation.verify_queue import queue_verification
 
         transaction.on_commit(lambda: queue_verification(delta.pk))
     announce_delta(delta)

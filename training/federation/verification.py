@@ -3,7 +3,7 @@ Celery worker.
 
 The checks run in a fixed order and the first failure is stored as a stable ``rejection_code`` with a
 detail a person can act on. A rejected delta is kept (for forensics) and never aggregated. An accepted
-delta joins its adapter's collecting round (``training.rounds``). Running this twice for one delta
+delta joins its adapter's collecting round (``training.federation.rounds``). Running this twice for one delta
 changes nothing the second time: only a ``received`` delta is verified.
 """
 
@@ -22,16 +22,16 @@ from django.db.models import Exists, OuterRef, Subquery
 from django.utils import timezone
 from safetensors.torch import load as load_safetensors
 
+from core.queries import only_row
 from devices.models import DeviceStatus
 from edge_agent.delta import ENCODINGS, decode_tensor, read_encoding
 from edge_agent.protocol import public_key_from_b64, verify
-from fleet.queries import only_row
-from training.aggregation_settings import aggregation_settings
-from training.artifacts import ArtifactRejected, check_spec, read_header
-from training.blobs import blob_read
-from training.live import announce_delta
+from training.federation.aggregation_settings import aggregation_settings
+from training.federation.events import announce_delta
+from training.federation.rounds import round_admit, round_admit_many
 from training.models import Adapter, AdapterVersion, Delta
-from training.rounds import round_admit, round_admit_many
+from training.registry.artifacts import ArtifactRejected, check_spec, read_header
+from training.registry.blobs import blob_read
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class Verdict:
 
 def delta_judge(delta: Delta, memo: dict | None = None) -> Verdict:
     """Run the checks on a delta loaded ``received`` with its device and cohort; writes nothing. ``memo``, one
-    dict per batch (``training.verify_queue``), lets the batch's deltas share the adapter and base version
+    dict per batch (``training.federation.verify_queue``), lets the batch's deltas share the adapter and base version
     looked up for the first of them (a batch takes a fraction of a second: a setting or version that changes
     meanwhile counts from the next batch)."""
     try:
@@ -312,7 +312,7 @@ def _record(delta: Delta, state: str, code: str, detail: str, claim_counter: boo
     return delta
 
 
-# --- a batch (training.verify_queue): the same outcomes, written together ---
+# --- a batch (training.federation.verify_queue): the same outcomes, written together ---
 
 _OUTCOME_FIELDS = (
     "state",

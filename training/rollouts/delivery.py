@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from django.urls import reverse
 
-from training.manifests import manifest_sign
 from training.models import Assignment
+from training.rollouts.manifests import manifest_sign
 
 
 def assignment_message(assignment: Assignment) -> dict:

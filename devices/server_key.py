@@ -27,8 +27,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from edge_agent.protocol import b64decode, b64encode
-from fleet.env import env_secret
+from core.env import env_secret
+from edge_agent.manifest import ROTATION_PURPOSE
+from edge_agent.protocol import b64decode, b64encode, sign
 
 logger = logging.getLogger(__name__)
 KEY_FILE_NAME = "server_signing_key.pem"
@@ -176,9 +177,6 @@ def forget_cached_keys() -> None:
 
 def rotation_sign(old: Ed25519PrivateKey, new: Ed25519PrivateKey, *, seq: int) -> dict:
     """The rotation statement from ``old`` to ``new``, signed by both (``edge_agent.manifest`` checks it)."""
-    from edge_agent.manifest import ROTATION_PURPOSE
-    from edge_agent.protocol import sign
-
     statement = {
         "purpose": ROTATION_PURPOSE,
         "seq": seq,

@@ -21,11 +21,12 @@ from django.utils import timezone
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from training.aggregation_settings import aggregation_settings, dp_settings
-from training.blobs import blob_local_path, blob_put_bytes, blob_read
+from training import dispatch
+from training.federation.aggregation_settings import aggregation_settings, dp_settings
+from training.federation.strategies import DeltaInput, get_strategy
 from training.models import Adapter, AdapterVersion, Delta, Round
-from training.services import _next_number, _record
-from training.strategies import DeltaInput, get_strategy
+from training.registry.blobs import blob_local_path, blob_put_bytes, blob_read
+from training.registry.services import _next_number, _record
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def round_aggregate(*, round_id: int) -> AdapterVersion | None:
 
 
 def _fail(round_: Round, reason: str) -> None:
-    from training.live import round_event
+    from training.federation.events import round_event
 
     changed = Round.objects.filter(pk=round_.pk, state=Round.State.AGGREGATING).update(
         state=Round.State.FAILED, failure=reason[:2000]
@@ -178,8 +179,8 @@ def _fail(round_: Round, reason: str) -> None:
 
 
 def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started: float, shards: int = 1):
-    from training.evaluation import evaluate_tensors
-    from training.live import round_event
+    from training.federation.events import round_event
+    from training.registry.evaluation import evaluate_tensors
 
     new = {name: (base[name] + delta[name].float()).contiguous() for name in sorted(base)}
     bad = [name for name, tensor in new.items() if not bool(torch.isfinite(tensor).all())]
@@ -231,16 +232,14 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
             lambda: round_event(round_, kind="round.completed", deltas=len(deltas), result_version=version.number)
         )
         if aggregation_settings(round_.adapter)["auto_release"]:
-            from training.tasks import release_round_result
-
-            transaction.on_commit(lambda: release_round_result.delay(version.pk))
+            transaction.on_commit(lambda: dispatch.release_round_result(version.pk))
     logger.info("round %s made %s from %d deltas in %.2fs", round_.pk, version, len(deltas), seconds)
     return version
 
 
 def _spend_dp(round_: Round) -> float:
-    from training.rounds import dp_sample_rate
-    from training.strategies.dp import dp_epsilon
+    from training.federation.rounds import dp_sample_rate
+    from training.federation.strategies.dp import dp_epsilon
 
     adapter = Adapter.objects.select_for_update(no_key=True).get(pk=round_.adapter_id)
     dp = dp_settings(adapter)

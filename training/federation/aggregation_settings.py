@@ -70,7 +70,7 @@ def dp_settings(adapter) -> dict[str, Any]:
 
 def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     """Check an operator's aggregation settings; ValueError naming the first bad one."""
-    from training.strategies import STRATEGIES, get_strategy
+    from training.federation.strategies import STRATEGIES, get_strategy
 
     unknown = set(values) - set(AGGREGATION_DEFAULTS)
     if unknown:

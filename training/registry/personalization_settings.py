@@ -1,7 +1,7 @@
 """An adapter's personalization setting with its defaults, read in one place.
 
 Each device keeps a model of its own, trained on its own data and never uploaded; the setting says how it
-is made, and is signed into every manifest (``training.manifests.training_config``) so a device trains only
+is made, and is signed into every manifest (``training.rollouts.manifests.training_config``) so a device trains only
 what the server signed. ``Adapter.personalization`` holds only what an operator set; everything reads it
 through ``personalization_settings`` so the defaults live here and nowhere else (README, "Adapters and
 rollouts"; edge_agent/PROTOCOL.md, "Assignments").
@@ -20,6 +20,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from edge_agent.protocol import PERSONALIZATION_METHODS
+
 PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     "method": "ditto",
     "lambda": 1.0,  # ditto's proximal weight (bench/README.md, "personalization.py": chosen on a tuning seed)
@@ -32,7 +34,7 @@ PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     # "personalization.py": users who name classes their own way gain 6 points, the others lose nothing)
     "release_classes": True,
 }
-METHODS = ("none", "finetune", "ditto", "private_modules")
+METHODS = PERSONALIZATION_METHODS
 MAX_PRIVATE_MODULES = 64
 
 PERSONALIZATION_HELP = (

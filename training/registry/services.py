@@ -1,6 +1,6 @@
 """Everything that writes base models, adapters and adapter versions.
 
-Artifacts are checked (``training.artifacts``) before they are stored, stored by hash before a row points
+Artifacts are checked (``training.registry.artifacts``) before they are stored, stored by hash before a row points
 at them, and never rewritten. Every operator action leaves a ``TrainingEvent``.
 """
 
@@ -16,13 +16,13 @@ from django.db.models import Max
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from core.api.errors import ApiError
 from edge_agent.families import get_family
 from edge_agent.lora import initial_tensors, peft_config, tensor_spec
-from fleet.api.errors import ApiError
-from training.artifacts import ArtifactRejected, load_checked
-from training.blobs import blob_put_bytes, blob_read
 from training.models import Adapter, AdapterVersion, BaseModel, Rollout, TrainingEvent
-from training.personalization_settings import validate_personalization
+from training.registry.artifacts import ArtifactRejected, load_checked
+from training.registry.blobs import blob_put_bytes, blob_read
+from training.registry.personalization_settings import validate_personalization
 
 MAX_ARTIFACT_BYTES = 512 * 1024 * 1024
 
@@ -129,7 +129,7 @@ def adapter_create(
 
 
 def _evaluate(adapter: Adapter, tensors: dict) -> dict:
-    from training.evaluation import evaluate_tensors
+    from training.registry.evaluation import evaluate_tensors
 
     return evaluate_tensors(adapter, tensors)
 

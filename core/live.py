@@ -1,8 +1,10 @@
 """The one place that pushes live events to open dashboards, over the Channels layer.
 
-Events are typed (``LiveEvent``) and carry the lowest role allowed to see them; the consumer re-checks it
-for every event. The layer drops messages when a client lags, so pages re-read state from the API after a
-reconnect instead of trusting that they saw every event.
+Events are typed (``LiveEvent``) and carry the lowest role allowed to see them; the dashboard's consumer
+(``frontend.consumers``) re-checks it for every event and words the event for the page when the publisher did
+not (``frontend.event_text``), so the domain code that publishes knows nothing of the screen. The layer drops
+messages when a client lags, so pages re-read state from the API after a reconnect instead of trusting that
+they saw every event.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from typing import Any
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
-from accounts.roles import Role
-from fleet.async_bridge import run_async
-from frontend.event_text import live_event, live_link
+from core.async_bridge import run_async
 
 DASHBOARD_GROUP = "dashboard"
 logger = logging.getLogger(__name__)
@@ -24,12 +24,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LiveEvent:
-    """``text`` (what happened, in words) and ``url`` (the page it is about) are made from ``kind`` and
-    ``data`` when not given (``frontend.event_text``); ``at`` is in UTC, as every time the dashboard shows."""
+    """``text`` (what happened, in words) and ``url`` (the page it is about) are optional: the dashboard makes
+    them from ``kind`` and ``data`` when they are empty; ``at`` is in UTC, as every time the dashboard shows."""
 
     kind: str  # e.g. "device.online", "delta.verified", "round.progress"
     data: dict[str, Any]
-    min_role: str = Role.VIEWER.value
+    min_role: str = "viewer"  # accounts.roles.Role values: viewer, operator, admin
     at: str = field(default_factory=lambda: timezone.now().isoformat())
     text: str = ""
     url: str = ""
@@ -39,8 +39,6 @@ async def apublish(event: LiveEvent) -> None:
     layer = get_channel_layer()
     try:
         message = asdict(event)
-        message["text"] = event.text or live_event(event.kind, event.data)
-        message["url"] = event.url or live_link(event.kind, event.data)
         await layer.group_send(DASHBOARD_GROUP, {"type": "live.event", **message})
     except Exception:  # live updates are best effort: never fail the work that produced them
         logger.exception("could not publish live event %s", event.kind)

@@ -16,7 +16,7 @@ from django.db import transaction
 
 from devices.models import Device, DeviceStatus
 from training.models import AdapterVersion, Assignment, Rollout
-from training.rollouts import assignment_create, device_bucket
+from training.rollouts.lifecycle import assignment_create, device_bucket
 
 
 def assignment_for_running_rollout(*, device: Device) -> Assignment | None:
@@ -76,5 +76,5 @@ def assignment_for_newcomer(*, device: Device) -> Assignment | None:
 def assignment_at_check_in(*, device: Device) -> Assignment | None:
     """What a device that checks in joins now, if anything: a running rollout of its cohort whose current
     phase includes it, else (never assigned before) its cohort's last completed rollout. The assignment is
-    pushed to the device's socket once committed (``training.rollouts.deliver``)."""
+    pushed to the device's socket once committed (``training.rollouts.lifecycle.deliver``)."""
     return assignment_for_running_rollout(device=device) or assignment_for_newcomer(device=device)

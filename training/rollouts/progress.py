@@ -10,9 +10,10 @@ is pending or delivered and it may still install) or **gone**. Gone, by the firs
   enrollment).
 
 A gone device that comes back still gets its assignment; it only no longer holds the rollout open. A rollout
-completes when its phases are done and none of its devices is pending (``training.rollouts.rollout_tick``); the
-counts are recorded on it then (``Rollout.device_counts``), so a finished rollout keeps saying what it ended
-with, whatever happens to its devices (or late joiners) afterwards. Rollouts in progress are counted live.
+completes when its phases are done and none of its devices is pending
+(``training.rollouts.lifecycle.rollout_tick``); the counts are recorded on it then (``Rollout.device_counts``),
+so a finished rollout keeps saying what it ended with, whatever happens to its devices (or late joiners)
+afterwards. Rollouts in progress are counted live.
 """
 
 from __future__ import annotations

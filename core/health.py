@@ -8,6 +8,7 @@ from datetime import datetime
 from functools import cache as memoize
 
 import redis
+from celery import current_app as celery_app
 from django.conf import settings
 from django.core.cache import cache
 from django.db import connection
@@ -15,10 +16,9 @@ from django.http import JsonResponse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 
-from fleet.celery import app as celery_app
-from fleet.tasks import BEAT_TICK_KEY
-
 logger = logging.getLogger(__name__)
+# Where beat's heartbeat task (``fleet.tasks.beat_tick``) records its last tick.
+BEAT_TICK_KEY = "system:beat:last-tick"
 WORKER_PING_TIMEOUT = 1.5
 BEAT_STALE_AFTER_SECONDS = 60
 

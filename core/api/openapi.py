@@ -9,7 +9,7 @@ from drf_spectacular import openapi
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 
-from fleet.api.errors import ErrorBodySerializer
+from core.api.errors import ErrorBodySerializer
 
 # DRF strips a string (str.strip) before it checks that a required one is not blank, so a value made only of
 # whitespace is refused: it needs one character that str.strip() would keep. These are the ones it removes.

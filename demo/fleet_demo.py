@@ -21,14 +21,25 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from django.utils import timezone
+from safetensors.torch import save as save_safetensors
+
+from devices.models import Cohort
+from devices.services import cohort_create, enrollment_token_create
+from edge_agent.assignments import AssignmentHandler
 from edge_agent.connection import AgentConnection, Backoff
+from edge_agent.enroll import enroll
 from edge_agent.families import get_family
 from edge_agent.families.common import pretrain
 from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key
 from edge_agent.lora_layers import adapter_tensors
+from edge_agent.rest import DeviceSession
 from edge_agent.runtime import AgentConfig, DeviceRuntime, OutboxUploads
+from training.models import Adapter, BaseModel, Rollout
+from training.registry.services import adapter_create, base_model_create, version_create_seeded, version_transition
+from training.rollouts.lifecycle import rollout_create, rollout_start
 
-logger = logging.getLogger("fleet.demo")
+logger = logging.getLogger("demo")
 COHORTS = ("eu-phones", "us-wearables")
 ADAPTER = "digits-lora"
 BASE_CONFIG = {"seed": 1}
@@ -42,13 +53,6 @@ def _say(message: str) -> None:
 
 def seed(*, devices: int) -> dict[str, str]:
     """Create what the demo needs (once) and fresh enrollment tokens; returns {cohort: raw token}."""
-    from django.utils import timezone
-
-    from devices.models import Cohort
-    from devices.services import cohort_create, enrollment_token_create
-    from training.models import Adapter, BaseModel, Rollout
-    from training.rollouts import rollout_create, rollout_start
-    from training.services import adapter_create, base_model_create, version_create_seeded, version_transition
 
     cohorts = [Cohort.objects.filter(name=n).first() or cohort_create(name=n) for n in COHORTS]
     base = BaseModel.objects.filter(name="digits").first()
@@ -99,7 +103,6 @@ def seed(*, devices: int) -> dict[str, str]:
 def factory_base() -> bytes:
     """The demo's base model weights: ``digits-cnn`` trained centrally on the factory part of the digits (a
     second or two), so version 1 is already useful and the fleet's rounds start from a real model."""
-    from safetensors.torch import save as save_safetensors
 
     family = get_family("digits-cnn")
     model = family.build(BASE_CONFIG)
@@ -165,7 +168,6 @@ class DemoDevice:
 def _enroll(device: DemoDevice, server: str, token: str) -> AgentState:
     """Enroll once (a device that has its state keeps it); a failure is reported and retried with backoff, so
     a server that is still starting or refused one request does not leave a dead device in the demo."""
-    from edge_agent.enroll import enroll
 
     if (device.home / STATE_FILE).exists():
         return AgentState.load(device.home)
@@ -194,8 +196,6 @@ async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio
     config = device.configure()
     runtime_class = SabotagedRuntime if device.misbehaving else DeviceRuntime
     runtime = runtime_class(home=device.home, state=state, key=key, config=config)
-    from edge_agent.assignments import AssignmentHandler
-    from edge_agent.rest import DeviceSession
 
     session = DeviceSession(server=state.server, device_id=state.device_id, key=key)
     handler = AssignmentHandler(home=device.home, state=state, session=session, evaluate=runtime.evaluate_versions)

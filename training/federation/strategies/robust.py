@@ -19,7 +19,7 @@ and honest means keep at most f attackers' share each. Mixing needs an honest ma
 ``byzantine`` clamped to floor((N - 1) / 2) (default that bound), not Krum's tighter bound, so a small round
 with one attacker is still mixed. Past f attackers it shields nothing and can do worse than the bare rule
 (bench/README.md). An adapter's ``krum`` mixes unless told not to
-(``MIXING_DEFAULTS`` in ``training/aggregation_settings.py``); here, as for the others, it is off unless
+(``MIXING_DEFAULTS`` in ``training/federation/aggregation_settings.py``); here, as for the others, it is off unless
 ``params`` say ``"nnm"``. It costs a second pass over the deltas for their Gram matrix and O(N^2) float64 beside
 the O(N x chunk) working memory; Krum needs the Gram matrix anyway and mixes it without reading the deltas
 again.

@@ -3,8 +3,8 @@
 Services write (``rollout_*``, ``assignment_*``); ``rollout_tick`` is what the beat task runs. Every change
 of state records who did it; deliveries go out after the transaction commits. A rollout assigns the devices of
 its current phase when it starts, resumes and advances, and a device that joins its cohort while it runs when
-that device checks in (``training.rollout_joining``). It completes when its phases are done and none of its
-devices is still pending (``training.rollout_progress`` says when a device is gone instead).
+that device checks in (``training.rollouts.joining``). It completes when its phases are done and none of its
+devices is still pending (``training.rollouts.progress`` says when a device is gone instead).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from core.api.errors import ApiError
+from core.live import LiveEvent, publish
 from devices.models import Device, DeviceStatus
-from fleet.api.errors import ApiError
+from devices.push import device_command
 from training.models import AdapterVersion, Assignment, Rollout, TrainingEvent
-from training.rollout_progress import ACTIVE, completion_reason, device_counts, waiting_reason
+from training.rollouts.progress import ACTIVE, completion_reason, device_counts, waiting_reason
 
 REPORTABLE_METRICS = 32
 
@@ -40,8 +42,6 @@ def _record(kind: str, rollout: Rollout, actor, **detail) -> None:
         version=rollout.version,
         detail={"rollout": rollout.pk, **detail},
     )
-    from frontend.live import LiveEvent, publish
-
     event = LiveEvent(
         kind=kind if kind.startswith("rollout.") else f"rollout.{kind}",
         data={"id": rollout.pk, "state": rollout.state, "phase": rollout.current_phase, "version": rollout.version_id},
@@ -206,8 +206,7 @@ def assignment_create(
 
 def deliver(assignment_id: int) -> bool:
     """Push an assignment to its device if it is connected; otherwise it is picked up at the next hello."""
-    from devices.push import device_command
-    from training.delivery import assignment_message
+    from training.rollouts.delivery import assignment_message
 
     assignment = Assignment.objects.select_related("version__adapter__base_model").filter(pk=assignment_id).first()
     if assignment is None or assignment.state not in ACTIVE:
@@ -428,7 +427,7 @@ def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
     flight: one whose phases are done and only waits for devices completes (those devices get the newer version
     instead and count as gone, superseded); one still in its phases, or paused, is aborted. Operators who want
     staged, guarded rollouts leave ``auto_release`` off and roll out themselves."""
-    from training.services import version_transition
+    from training.registry.services import version_transition
 
     version = AdapterVersion.objects.select_for_update(no_key=True).get(pk=version.pk)
     if version.state == AdapterVersion.State.REVOKED:

@@ -1,4 +1,4 @@
-"""``manage.py demo_fleet``: seed the demo (once) and run a simulated fleet of real agents (fleet.demo)."""
+"""``manage.py demo_fleet``: seed the demo (once) and run a simulated fleet of real agents (demo.fleet_demo)."""
 
 import asyncio
 import signal
@@ -17,7 +17,7 @@ class Command(BaseCommand):
         parser.add_argument("--home", type=Path, default=None, help="agent homes (default: DATA_DIR/demo)")
 
     def handle(self, *args, server, devices, home, **options):
-        from fleet.demo import plan, run_fleet, seed
+        from demo.fleet_demo import plan, run_fleet, seed
 
         if devices < 3:
             raise SystemExit("the demo needs at least 3 devices")

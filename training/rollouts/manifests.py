@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import time
 
+from devices.server_key import key_rotations, server_private_key
 from edge_agent.manifest import PURPOSE
 from edge_agent.protocol import sign
-from fleet.server_key import key_rotations, server_private_key
-from training.personalization_settings import personalization_settings
+from training.registry.personalization_settings import personalization_settings
 
 MANIFEST_LIFETIME_SECONDS = 7 * 24 * 3600
 
 
 def training_config(adapter) -> dict:
     """What a device needs to build the base and train this adapter, signed into every manifest."""
-    from training.aggregation_settings import aggregation_settings
+    from training.federation.aggregation_settings import aggregation_settings
 
     settings_ = aggregation_settings(adapter)
     return {

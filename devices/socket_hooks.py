@@ -1,0 +1,42 @@
+"""The agent socket's one entry point into the training side.
+
+``devices`` sits below the training side (docs/architecture.md): the socket (``devices.consumers``) knows
+devices, presence and the wire protocol, while the assignment a device receives when it checks in and the
+delta uploads it sends belong to training. Training registers its handlers here when Django starts
+(``training.apps``), so no module of ``devices`` imports ``training``.
+
+Each upload handler returns the message to send back as ``(type, fields)``: ``delta_state`` with where the
+upload stands, or ``delta_error`` with the refusal's code and message (edge_agent/PROTOCOL.md, "Deltas").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from devices.models import Device
+
+
+class TrainingSide(Protocol):
+    def check_in(self, device: Device) -> dict | None:
+        """The assignment message a device that just said hello should receive now, or None."""
+
+    def upload_begin(self, device: Device, message: dict) -> tuple[str, dict]:
+        """A ``delta_begin`` message: begin (or resume) the upload its signed envelope names."""
+
+    def upload_append(self, device: Device, sha256: str, offset: int, data: bytes) -> tuple[str, dict]:
+        """One chunk of an upload at ``offset``."""
+
+
+_training: TrainingSide | None = None
+
+
+def register_training_side(side: TrainingSide) -> None:
+    global _training
+    _training = side
+
+
+def training_side() -> TrainingSide:
+    if _training is None:
+        raise RuntimeError("the training app is not installed: nothing handles assignments and uploads")
+    return _training
