@@ -13,12 +13,15 @@ WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 COPY pyproject.toml README.md manage.py ./
+COPY core ./core
 COPY fleet ./fleet
+COPY demo ./demo
 COPY accounts ./accounts
 COPY devices ./devices
 COPY training ./training
 COPY frontend ./frontend
 COPY edge_agent ./edge_agent
+# server: what web, worker and beat need (scikit-learn included); not `local` (embedded PostgreSQL and Redis).
 RUN pip install '.[server,s3]' && rm -rf build
 
 # Static files are collected at build time; placeholders only, no service is contacted.
@@ -31,4 +34,5 @@ ENV FLEET_ENV=production \
     PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus
 USER fleet
 EXPOSE 8000
-CMD ["sh", "-c", "rm -rf $PROMETHEUS_MULTIPROC_DIR && mkdir -p $PROMETHEUS_MULTIPROC_DIR && exec uvicorn fleet.asgi:application --host 0.0.0.0 --port 8000 --workers ${WEB_CONCURRENCY:-2} --ws wsproto --ws-ping-interval 60 --ws-ping-timeout 30 --loop uvloop --http httptools --lifespan off --no-access-log --proxy-headers --forwarded-allow-ips='*'"]
+# uvicorn with the flags in fleet/serve.py (the launcher's too); behind the load balancer, X-Forwarded-* is trusted.
+CMD ["sh", "-c", "rm -rf $PROMETHEUS_MULTIPROC_DIR && mkdir -p $PROMETHEUS_MULTIPROC_DIR && exec python -m fleet.serve --host 0.0.0.0 --port 8000 --workers ${WEB_CONCURRENCY:-2} --forwarded-allow-ips='*'"]

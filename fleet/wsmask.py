@@ -3,7 +3,7 @@
 Every frame a client sends is XOR-masked with a 4-byte key (RFC 6455, 5.3). wsproto, the WebSocket
 implementation the web processes run (``fleet/launcher.py``: ``--ws wsproto``, for its memory per
 connection), unmasks in Python: four strided slices, each copied, translated through a table and copied
-back. For 300 KiB deltas at 100 a second that was about 6% of the web processes' CPU (py-spy, bench/README.md).
+back: a visible share of the web processes' CPU under delta uploads (bench/README.md).
 ``NumpyXorMasker`` does the same with one XOR over 32-bit words: same interface, same bytes out, the key
 rotated the same way when a frame arrives in pieces. ``install()`` puts it in wsproto's place; the ASGI
 application calls it at start-up.

@@ -4,7 +4,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from accounts.roles import Role
-from devices.models import Cohort, DeviceStatus
+from devices.models import Cohort
 from training.models import Adapter, AdapterVersion, Rollout
 from training.registry.personalization_settings import METHODS, PERSONALIZATION_DEFAULTS, personalization_settings
 
@@ -42,28 +42,6 @@ class UserCreateForm(forms.Form):
 
 
 # --- fleet --------------------------------------------------------------------------------------------------
-
-
-class DeviceFilterForm(forms.Form):
-    """The device list's filters, read from the query string; bad values are reported, never a 500."""
-
-    q = forms.CharField(required=False, max_length=100, label="Search", help_text="name, agent version or id")
-    cohort = forms.CharField(required=False, max_length=64)
-    status = forms.ChoiceField(required=False, choices=[("", "any status"), *DeviceStatus.choices])
-    online = forms.ChoiceField(required=False, choices=[("", "online or not"), ("yes", "online"), ("no", "offline")])
-    version = forms.RegexField(r"^(none|\d{1,12})$", required=False, max_length=12)
-    label = forms.CharField(required=False, max_length=100, help_text="key or key=value")
-
-    def filters(self) -> dict:
-        data = self.cleaned_data
-        return {
-            "cohort": data["cohort"],
-            "status": data["status"],
-            "online": {"yes": True, "no": False}.get(data["online"]),
-            "version": data["version"],
-            "label": data["label"],
-            "search": data["q"],
-        }
 
 
 class CohortForm(forms.Form):

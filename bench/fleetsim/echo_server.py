@@ -1,13 +1,14 @@
 """The fleet simulator's baseline: a no-op server that speaks the same protocol on the same transport.
 
-A bare ASGI app run by uvicorn with the product's flags (``--ws wsproto --ws-ping-interval 60 --loop uvloop
---http httptools``, the same number of processes, client frames unmasked by ``fleet.wsmask`` as in the
-product). On ``/ws/agent/`` it sends a challenge, welcomes any hello, acknowledges heartbeats, and takes
-``delta_begin`` / ``delta_chunk`` like the product's consumer does at the wire level (each message
-JSON-decoded, each chunk's base64 decoded, offsets checked), but stores nothing and verifies nothing: the last
-chunk is answered with the state ``accepted`` at once. Over REST, ``PUT /api/v1/device/deltas/<sha256>/`` reads
-the whole body and answers ``accepted``; the device-auth endpoints hand out a dummy token. So the same agents
-uploading the same bytes at the same rate show what the transport alone costs and allows on this machine.
+A bare ASGI app run by uvicorn with the product's flags (``fleet.serve.uvicorn_args``: ``--ws wsproto
+--ws-ping-interval 60 --loop uvloop --http httptools``, the same number of processes, client frames unmasked
+by ``fleet.wsmask`` as in the product). On ``/ws/agent/`` it sends a challenge, welcomes any hello,
+acknowledges heartbeats, and takes ``delta_begin`` / ``delta_chunk`` like the product's consumer does at the
+wire level (each message JSON-decoded, each chunk's base64 decoded, offsets checked), but stores nothing and
+verifies nothing: the last chunk is answered with the state ``accepted`` at once. Over REST,
+``PUT /api/v1/device/deltas/<sha256>/`` reads the whole body and answers ``accepted``; the device-auth
+endpoints hand out a dummy token. So the same agents uploading the same bytes at the same rate show what the
+transport alone costs and allows on this machine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from edge_agent.protocol import (
     encode,
 )
 from fleet import wsmask
+from fleet.serve import uvicorn_command
 
 HEARTBEAT_INTERVAL = int(os.environ.get("HEARTBEAT_INTERVAL_SECONDS", "30"))
 wsmask.install()  # as fleet/asgi.py does
@@ -142,31 +143,10 @@ class EchoServer:
     def __init__(self, *, port: int, web_workers: int, interval: int, log_path: Path, base_dir: Path):
         self.port, self.log_path, self.base_dir = port, log_path, base_dir
         self.env = {**os.environ, "HEARTBEAT_INTERVAL_SECONDS": str(interval), "PYTHONUNBUFFERED": "1"}
-        self.command = [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "bench.fleetsim.echo_server:app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            str(web_workers),
-            "--ws",
-            "wsproto",
-            "--ws-ping-interval",
-            "60",
-            "--ws-ping-timeout",
-            "30",
-            "--loop",
-            "uvloop",
-            "--http",
-            "httptools",
-            "--lifespan",
-            "off",
-            "--no-access-log",
-        ]
+        # The product's flags (fleet/serve.py), on this app; no --timeout-graceful-shutdown, as before.
+        self.command = uvicorn_command(
+            app="bench.fleetsim.echo_server:app", host="127.0.0.1", port=port, workers=web_workers
+        )
         self.process: subprocess.Popen | None = None
         self.log = None
 

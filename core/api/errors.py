@@ -14,9 +14,29 @@ from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
 
+from core.errors import Conflict, DomainError, Forbidden, Invalid, NotFound, TooLarge, TooMany, Unauthenticated
+
+# Each kind of domain refusal and its HTTP status: the one place where services' errors meet HTTP.
+DOMAIN_STATUS: dict[type[DomainError], int] = {
+    Invalid: status.HTTP_400_BAD_REQUEST,
+    Unauthenticated: status.HTTP_401_UNAUTHORIZED,
+    Forbidden: status.HTTP_403_FORBIDDEN,
+    NotFound: status.HTTP_404_NOT_FOUND,
+    Conflict: status.HTTP_409_CONFLICT,
+    TooLarge: status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+    TooMany: status.HTTP_429_TOO_MANY_REQUESTS,
+    DomainError: status.HTTP_400_BAD_REQUEST,
+}
+
+
+def domain_status(exc: DomainError) -> int:
+    """The HTTP status of a domain refusal: its first kind in method resolution order."""
+    return next(DOMAIN_STATUS[klass] for klass in type(exc).__mro__ if klass in DOMAIN_STATUS)
+
 
 class ApiError(exceptions.APIException):
-    """A domain error raised by a service, carrying its own stable code and HTTP status."""
+    """An error raised by an API view about the HTTP request itself (a header, a range), with its own stable
+    code and status. Services raise domain errors (``core.errors``) instead."""
 
     def __init__(self, code: str, message: str, *, status_code: int = 400, details: Any = None):
         super().__init__(detail=message, code=code)
@@ -53,6 +73,11 @@ _MESSAGES = {
 
 
 def exception_handler(exc: Exception, context: dict) -> Response | None:
+    if isinstance(exc, DomainError):
+        from rest_framework.views import set_rollback  # DRF imports settings late, as below
+
+        set_rollback()  # as DRF does for its own errors: a refusal inside an atomic request keeps nothing
+        return Response(error_body(exc.code, exc.message, exc.details), status=domain_status(exc))
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     elif isinstance(exc, DjangoPermissionDenied):

@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import uuid
-
-import django_filters
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
@@ -17,7 +14,7 @@ from rest_framework.views import APIView
 
 from accounts.roles import Role
 from core.api.errors import ApiError, ErrorBodySerializer
-from core.api.filters import FilterSet, StrictBooleanFilter
+from core.api.filters import FilterBackend
 from devices import presence
 from devices.api.serializers import (
     ChallengeRequestSerializer,
@@ -35,9 +32,11 @@ from devices.api.serializers import (
     TokenResponseSerializer,
 )
 from devices.authentication import DeviceTokenAuthentication, IsDevice
+from devices.filters import DeviceFilterSet
 from devices.identity import NONCE_TTL_SECONDS, rest_challenge_create, rest_token_issue
-from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
+from devices.models import Cohort, EnrollmentToken
 from devices.personalization import personal_report_record
+from devices.selectors import device_list
 from devices.server_key import server_public_key_b64
 from devices.services import (
     device_enroll,
@@ -96,24 +95,6 @@ class EnrollmentTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, v
         return Response(EnrollmentTokenSerializer(enrollment_token_revoke(token=self.get_object())).data)
 
 
-class DeviceFilter(FilterSet):
-    cohort = django_filters.CharFilter(field_name="cohort__name")
-    status = django_filters.MultipleChoiceFilter(choices=DeviceStatus.choices)
-    online = StrictBooleanFilter()
-    agent_version = django_filters.CharFilter()
-    label = django_filters.CharFilter(method="filter_label", help_text="`key` (has the label) or `key=value`")
-
-    class Meta:
-        model = Device
-        fields = ["cohort", "status", "online", "agent_version", "label"]
-
-    def filter_label(self, queryset, name, value):
-        label, sep, wanted = value.partition("=")
-        if sep:
-            return queryset.filter(labels__contains={label: wanted})
-        return queryset.filter(labels__has_key=label)
-
-
 # A transition the device's status does not allow (approving an active device) is a 409.
 _TRANSITION_RESPONSES = {200: DeviceDetailSerializer, 409: ErrorBodySerializer}
 
@@ -123,20 +104,13 @@ class DeviceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     reactivate them (an incident response). Every change is recorded as a device event with its author."""
 
     write_role = Role.ADMIN
-    queryset = Device.objects.select_related("cohort", "running_version__adapter", "desired_version__adapter")
-    filterset_class = DeviceFilter
-    search_fields = ["name", "agent_version"]
-    ordering_fields = ["name", "enrolled_at", "last_seen_at", "status"]
+    queryset = device_list()
+    # Search and ordering are the filterset's too (the dashboard's device page uses the same one).
+    filter_backends = [FilterBackend]
+    filterset_class = DeviceFilterSet
 
     def get_serializer_class(self):
         return DeviceDetailSerializer if self.action == "retrieve" else DeviceSerializer
-
-    def filter_queryset(self, queryset):
-        term = self.request.query_params.get("search", "").strip()
-        try:
-            return queryset.filter(pk=uuid.UUID(term))  # a pasted device id finds exactly that device
-        except ValueError:
-            return super().filter_queryset(queryset)
 
     @extend_schema(request=DeviceSerializer, responses=DeviceDetailSerializer)
     def partial_update(self, request, pk=None):

@@ -55,17 +55,6 @@ def _load(path: str, name: str) -> Family:
     return family() if isinstance(family, type) else family
 
 
-def _builtin() -> dict[str, Family]:
-    """The built-in families that can be loaded here (``minilm-text`` only with its extra installed)."""
-    families = {}
-    for name, path in _BUILTIN.items():
-        try:
-            families[name] = _load(path, name)
-        except LookupError:
-            continue
-    return families
-
-
 def get_family(name: str) -> Family:
     """``digits-cnn``, ``minilm-text`` or ``package.module:attribute`` (a class is instantiated)."""
     if name in _BUILTIN:

@@ -45,8 +45,13 @@ class DigitsNet(nn.Module):
 
 @lru_cache(maxsize=1)
 def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:  # only here: the agent's base install, and every other family, work without scikit-learn
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as exc:
+        raise ImportError(
+            f"the digits family needs scikit-learn: pip install 'fleet-personalization[digits]' ({exc})"
+        ) from exc
 
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[:, None, :, :]

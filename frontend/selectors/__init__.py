@@ -7,6 +7,7 @@ The reads live by page: ``common`` (page sizes, the per-row count subquery, pagi
 (devices, cohorts, tokens) and ``training`` (models, adapters, rounds, rollouts); callers use this package.
 """
 
+from devices.selectors import device_list  # the device page's rows, which devices.filters narrows
 from frontend.selectors.common import (
     CHARTED_METRICS,
     DELTAS_PER_PAGE,
@@ -22,7 +23,6 @@ from frontend.selectors.fleet import (
     DeviceDetail,
     cohort_list,
     device_detail,
-    device_list,
     enrollment_token_list,
     version_choices,
 )

@@ -1,56 +1,17 @@
-"""The reads of the fleet pages: devices (list and detail), cohorts and enrollment tokens."""
+"""The reads of the fleet pages: devices (the detail; the list is ``devices.selectors.device_list``, filtered by
+``devices.filters.DeviceFilterSet``), cohorts and enrollment tokens."""
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
-from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
+from django.db.models import Count, OuterRef, Subquery
 
 from devices.models import Cohort, Device, DeviceEvent, DeviceStatus, EnrollmentToken
 from frontend.selectors.common import VERSION_CHOICES_LIMIT, _count_of
 from training.models import AdapterVersion, Assignment, Delta
 
 # --- devices -------------------------------------------------------------------------------------------------
-
-
-def device_list(
-    *,
-    cohort: str = "",
-    status: str = "",
-    online: bool | None = None,
-    version: str = "",
-    label: str = "",
-    search: str = "",
-) -> QuerySet:
-    """Devices matching the filters, with what the list shows joined in (no per-row queries).
-
-    ``version`` is an adapter version id, or ``none`` for devices that run no version yet; ``label`` is
-    ``key`` (has the label) or ``key=value``; ``search`` matches name or agent version, or a pasted device id.
-    """
-    devices = Device.objects.select_related("cohort", "running_version__adapter", "desired_version__adapter").order_by(
-        "name", "id"
-    )
-    if cohort:
-        devices = devices.filter(cohort__name=cohort)
-    if status:
-        devices = devices.filter(status=status)
-    if online is not None:
-        devices = devices.filter(online=online)
-    if version == "none":
-        devices = devices.filter(running_version__isnull=True)
-    elif version:
-        devices = devices.filter(running_version_id=int(version))
-    if label:
-        key, sep, wanted = label.partition("=")
-        devices = devices.filter(labels__contains={key: wanted}) if sep else devices.filter(labels__has_key=key)
-    search = search.strip()
-    if search:
-        try:
-            devices = devices.filter(pk=uuid.UUID(search))
-        except ValueError:
-            devices = devices.filter(Q(name__icontains=search) | Q(agent_version__icontains=search))
-    return devices
 
 
 def version_choices(limit: int = VERSION_CHOICES_LIMIT) -> list[AdapterVersion]:

@@ -116,13 +116,9 @@ def adapter_detail(adapter_id: int, *, rounds: int = 10, rollouts: int = 10) -> 
 # --- rounds ---------------------------------------------------------------------------------------------------
 
 
-def round_list(*, state: str = "", adapter: str = "") -> QuerySet:
-    rounds = _round_rows()
-    if state:
-        rounds = rounds.filter(state=state)
-    if adapter:
-        rounds = rounds.filter(adapter__name=adapter)
-    return rounds
+def round_list() -> QuerySet:
+    """Rounds, newest first, with their counts; the page narrows them with ``training.filters.RoundFilterSet``."""
+    return _round_rows()
 
 
 def adapters_for_rounds() -> list[Adapter]:
@@ -158,12 +154,12 @@ def round_detail(round_id: int, *, state: str = "", page: Any = 1) -> RoundDetai
 # --- rollouts -------------------------------------------------------------------------------------------------
 
 
-def rollout_list(*, state: str = "") -> QuerySet:
-    """Rollouts, newest first, each with its devices' live counts (``with_device_counts`` picks what to show)."""
-    rollouts = annotate_device_counts(Rollout.objects.select_related("version__adapter", "cohort"))
-    if state:
-        rollouts = rollouts.filter(state=state)
-    return rollouts.order_by("-created_at", "-id")
+def rollout_list() -> QuerySet:
+    """Rollouts, newest first, each with its devices' live counts (``with_device_counts`` picks what to show); the
+    page narrows them with ``training.filters.RolloutFilterSet``."""
+    return annotate_device_counts(Rollout.objects.select_related("version__adapter", "cohort")).order_by(
+        "-created_at", "-id"
+    )
 
 
 def with_device_counts(rollouts) -> list[Rollout]:

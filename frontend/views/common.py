@@ -9,7 +9,7 @@ from django.contrib import messages
 from django.shortcuts import redirect
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from core.api.errors import ApiError
+from core.errors import DomainError
 
 
 def run_service(request, call: Callable[[], Any], success: str | Callable[[Any], str]) -> Any:
@@ -17,7 +17,7 @@ def run_service(request, call: Callable[[], Any], success: str | Callable[[Any],
     service's result, or None when it refused (nothing changed: services refuse before they write)."""
     try:
         result = call()
-    except ApiError as refusal:
+    except DomainError as refusal:
         messages.error(request, refusal.message)
         return None
     messages.success(request, success(result) if callable(success) else success)

@@ -18,11 +18,12 @@ from django.views.decorators.http import require_POST
 
 from accounts.permissions import role_required
 from accounts.roles import Role, has_role
-from core.api.errors import ApiError
+from core.errors import DomainError
+from devices.filters import DeviceFilterSet
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.services import cohort_create, device_transition, enrollment_token_create, enrollment_token_revoke
 from frontend import selectors
-from frontend.forms import CohortForm, DeviceFilterForm, EnrollmentTokenForm
+from frontend.forms import CohortForm, EnrollmentTokenForm
 from frontend.views.common import redirect_back, run_service
 from frontend.views.personalization import device_personalization_context
 
@@ -64,20 +65,21 @@ def _require(user, action: str) -> None:
 
 @role_required(Role.VIEWER)
 def devices(request):
-    form = DeviceFilterForm(request.GET or None)
-    if form.is_bound and not form.is_valid():
+    # The API's device filters (devices.filters), read from the query string: a bad value is a form error, not a 500.
+    filters = DeviceFilterSet(request.GET or None, queryset=selectors.device_list(), from_form=True)
+    if filters.is_bound and not filters.is_valid():
         page = None
     else:
-        filters = form.filters() if form.is_bound else {}
-        page = selectors.paginate(selectors.device_list(**filters), request.GET.get("page"), selectors.DEVICES_PER_PAGE)
+        page = selectors.paginate(filters.qs, request.GET.get("page"), selectors.DEVICES_PER_PAGE)
     bulk = [a for a in BULK_ACTIONS if has_role(request.user, DEVICE_ACTION_ROLES[a])]
+    form = filters.form
     return render(
         request,
         "frontend/devices.html",
         {
             "form": form,
             "page": page,
-            "filtered": form.is_bound and any(form.data.get(k) for k in form.fields),
+            "filtered": filters.is_bound and any(form.data.get(k) for k in form.fields),
             "cohorts": Cohort.objects.order_by("name").values_list("name", flat=True),
             "versions": selectors.version_choices(),
             "bulk_actions": bulk,
@@ -117,7 +119,7 @@ def device_bulk(request):
         try:
             device_transition(device=device, action=action, actor=request.user)
             done.append(device.name)
-        except ApiError as refusal:  # e.g. approving one that is active: say which and why, do the rest
+        except DomainError as refusal:  # e.g. approving one that is active: say which and why, do the rest
             refused.append(f"{device.name}: {refusal.message}")
     past = {"approve": "Approved", "quarantine": "Quarantined"}[action]
     if done:

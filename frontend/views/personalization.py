@@ -7,7 +7,7 @@ from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 
 from accounts.roles import Role, has_role
-from core.api.errors import ApiError
+from core.errors import DomainError
 from frontend import selectors
 from frontend.forms import PersonalizationForm
 from frontend.personal_charts import accuracy_chart, gain_histogram
@@ -28,7 +28,7 @@ def personalization_save(request, adapter: Adapter, form: PersonalizationForm) -
         return False
     try:
         adapter_set_personalization(adapter=adapter, actor=request.user, personalization=form.setting())
-    except ApiError as refusal:
+    except DomainError as refusal:
         form.add_error(None, (refusal.details.get("personalization") or [refusal.message])[0])
         return False
     messages.success(

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 
 from accounts.permissions import role_required
 from accounts.roles import Role, has_role
-from core.api.errors import ApiError
+from core.errors import DomainError
 from devices.models import Cohort
 from frontend import selectors
 from frontend.charts import line_chart
@@ -24,6 +24,7 @@ from frontend.views.personalization import (
     personalization_save,
 )
 from training.federation.rounds import round_close, round_open, round_rerun
+from training.filters import RolloutFilterSet, RoundFilterSet
 from training.models import Rollout, Round
 from training.rollouts.lifecycle import (
     rollout_abort,
@@ -89,24 +90,24 @@ def rounds(request):
             if opened is not None:
                 return redirect("frontend:round-detail", opened.pk)
             return redirect("frontend:rounds")
-    state = request.GET.get("state", "")
-    state = state if state in Round.State.values else ""
-    adapter = request.GET.get("adapter", "")[:64]
-    page = selectors.paginate(
-        selectors.round_list(state=state, adapter=adapter), request.GET.get("page"), selectors.ROUNDS_PER_PAGE
-    )
+    # The API's round filters (training.filters): a bad value is reported, the list is not shown.
+    filters = RoundFilterSet(request.GET or None, queryset=selectors.round_list(), from_form=True)
+    page = None
+    if not filters.is_bound or filters.is_valid():
+        page = selectors.paginate(filters.qs, request.GET.get("page"), selectors.ROUNDS_PER_PAGE)
     return render(
         request,
         "frontend/rounds.html",
         {
             "page": page,
             "form": form,
-            "state": state,
-            "adapter": adapter,
+            "filters": filters.form,
+            "state": filters.form["state"].value() or "",
+            "adapter": filters.form["adapter"].value() or "",
             "states": Round.State.values,
             "adapters": selectors.adapters_for_rounds(),
         },
-        status=400 if form.is_bound and form.errors else 200,
+        status=400 if (form.is_bound and form.errors) or page is None else 200,
     )
 
 
@@ -142,11 +143,23 @@ def round_action(request, pk: int, action: str):
 
 @role_required(Role.VIEWER)
 def rollouts(request):
-    state = request.GET.get("state", "")
-    state = state if state in Rollout.State.values else ""
-    page = selectors.paginate(selectors.rollout_list(state=state), request.GET.get("page"), selectors.ROLLOUTS_PER_PAGE)
-    page.object_list = selectors.with_device_counts(page.object_list)
-    return render(request, "frontend/rollouts.html", {"page": page, "state": state, "states": Rollout.State.values})
+    # The API's rollout filters (training.filters): a bad value is reported, the list is not shown.
+    filters = RolloutFilterSet(request.GET or None, queryset=selectors.rollout_list(), from_form=True)
+    page = None
+    if not filters.is_bound or filters.is_valid():
+        page = selectors.paginate(filters.qs, request.GET.get("page"), selectors.ROLLOUTS_PER_PAGE)
+        page.object_list = selectors.with_device_counts(page.object_list)
+    return render(
+        request,
+        "frontend/rollouts.html",
+        {
+            "page": page,
+            "filters": filters.form,
+            "state": filters.form["state"].value() or "",
+            "states": Rollout.State.values,
+        },
+        status=400 if page is None else 200,
+    )
 
 
 @role_required(Role.OPERATOR)
@@ -165,7 +178,7 @@ def rollout_create_view(request):
                 max_failure_rate=data["max_failure_rate"],
                 actor=request.user,
             )
-        except ApiError as refusal:
+        except DomainError as refusal:
             form.add_error(None, refusal.message)
         else:
             return redirect("frontend:rollout-detail", rollout.pk)

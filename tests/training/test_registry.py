@@ -1,5 +1,6 @@
 """Base models, adapters and versions: artifacts by hash, exact specs, PEFT in and out."""
 
+import hashlib
 import io
 import json
 import struct
@@ -12,7 +13,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from training.models import AdapterVersion, TrainingEvent
-from training.registry.blobs import blob_exists, blob_read
+from training.registry.blobs import blob_read
 from training.registry.services import build_base, version_create_seeded, version_export_peft
 
 
@@ -31,8 +32,9 @@ def test_seeded_versions_are_deterministic_numbered_and_stored_by_hash(adapter):
     other = version_create_seeded(adapter=adapter, seed=8)
     assert [first.number, again.number, other.number] == [1, 2, 3]
     assert first.blob_sha256 == again.blob_sha256 != other.blob_sha256
-    assert blob_exists(first.blob_sha256)
-    tensors = load_safetensors(blob_read(first.blob_sha256))
+    stored = blob_read(first.blob_sha256)  # stored under its own hash: the bytes read back hash to the name
+    assert hashlib.sha256(stored).hexdigest() == first.blob_sha256 and len(stored) == first.size
+    tensors = load_safetensors(stored)
     assert set(tensors) == set(adapter.tensor_spec)
     assert torch.count_nonzero(tensors["base_model.model.fc1.lora_B.weight"]) == 0  # adapted model == base
     base_head = build_base(adapter.base_model).head.weight

@@ -170,25 +170,25 @@ def test_rollout_api_by_role_and_invalid_requests(api_client_for, fleet_of, vers
 
 @pytest.mark.django_db
 def test_device_reports_only_its_own_assignments_and_only_valid_metrics(fleet_of, versions, cohort, make_user):
-    from core.api.errors import ApiError
+    from core.errors import Conflict, DomainError, NotFound
 
     mine, theirs = fleet_of(2)
     operator = make_user("operator")
     rollout = _rollout(versions[0], cohort, operator, phases=[{"percent": 100, "min_soak_seconds": 0}])
     rollout_start(rollout=rollout, actor=operator)
     their_assignment = rollout.assignments.get(device=theirs.device)
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(DomainError) as caught:
         assignment_report(device=mine.device, assignment_id=their_assignment.pk, status="installed")
-    assert caught.value.status_code == 404
+    assert isinstance(caught.value, NotFound)
     my_assignment = rollout.assignments.get(device=mine.device)
     for metrics in ({"acc": float("nan")}, {"acc": float("inf")}, {"acc": "high"}, {"x" * 65: 1}):
-        with pytest.raises(ApiError) as caught:
+        with pytest.raises(DomainError) as caught:
             assignment_report(device=mine.device, assignment_id=my_assignment.pk, status="installed", metrics=metrics)
-        assert caught.value.error_code == "invalid_metrics"
+        assert caught.value.code == "invalid_metrics"
     assignment_report(device=mine.device, assignment_id=my_assignment.pk, status="installed", metrics={"acc": 0.9})
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(DomainError) as caught:
         assignment_report(device=mine.device, assignment_id=my_assignment.pk, status="failed")
-    assert caught.value.status_code == 409
+    assert isinstance(caught.value, Conflict)
     assert Assignment.objects.get(pk=their_assignment.pk).state == "pending"
 
 
@@ -237,18 +237,18 @@ def test_a_device_gets_its_assignment_pushed_when_connected_and_at_hello_when_it
 
 @pytest.mark.django_db
 def test_a_rollout_needs_a_live_version_for_a_cohort_the_adapter_serves(versions, make_user):
-    from core.api.errors import ApiError
+    from core.errors import DomainError
     from devices.services import cohort_create
     from training.registry.services import version_transition
 
     operator = make_user("operator")
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(DomainError) as caught:
         _rollout(versions[0], cohort_create(name="nobody"), operator)
-    assert caught.value.error_code == "cohort_not_served"
+    assert caught.value.code == "cohort_not_served"
     version_transition(version=versions[0], action="revoke", actor=operator)
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(DomainError) as caught:
         _rollout(versions[0], versions[0].adapter.cohorts.first(), operator)
-    assert caught.value.error_code == "version_revoked"
+    assert caught.value.code == "version_revoked"
 
 
 @pytest.mark.django_db

@@ -106,7 +106,7 @@ def test_a_hundred_deltas_racing_the_close_are_each_counted_in_exactly_one_round
                     try:
                         round_close(round_=round_, actor=operator)
                     except Exception as exc:  # an empty or already-closed round is refused: that is fine
-                        if getattr(exc, "error_code", None) not in ("round_empty", "invalid_transition"):
+                        if getattr(exc, "code", None) not in ("round_empty", "invalid_transition"):
                             raise
                 time.sleep(0.005)
         except BaseException as exc:
@@ -218,7 +218,7 @@ def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(t
 
 @pytest.mark.django_db
 def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(trained, make_user):
-    from core.api.errors import ApiError
+    from core.errors import DomainError
     from training.models import TrainingEvent
 
     adapter, _, _ = trained
@@ -228,9 +228,9 @@ def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(traine
         dp={"enabled": True, "noise_multiplier": 0.5, "epsilon_budget": 0.5, "sample_rate": 1.0},
     )
     adapter.refresh_from_db()
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(DomainError) as refused:
         round_open(adapter=adapter, actor=make_user("operator"))
-    assert refused.value.error_code == "dp_budget_exhausted" and "budget" in refused.value.message
+    assert refused.value.code == "dp_budget_exhausted" and "budget" in refused.value.message
     assert not Round.objects.exists()
     assert TrainingEvent.objects.filter(kind="round.refused", adapter=adapter).exists()
 

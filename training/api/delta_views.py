@@ -26,18 +26,15 @@ from training.api.round_serializers import (
     RoundOpenSerializer,
     RoundSerializer,
 )
-from training.federation.intake import UploadRefused, upload_append, upload_begin, upload_state
+from training.federation.intake import UploadConflict, UploadTooLarge, upload_append, upload_begin, upload_state
 from training.federation.rounds import round_close, round_open, round_rerun
+from training.filters import RoundFilterSet
 from training.models import Adapter, Delta, Round
 from training.registry.services import adapter_set_aggregation
 
 CHUNK = 1024 * 1024
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _refused(exc: UploadRefused) -> ApiError:
-    return ApiError(exc.code, exc.message, status_code=exc.status)
 
 
 class DeviceDeltaView(APIView):
@@ -92,30 +89,27 @@ class DeviceDeltaView(APIView):
             if not match or int(match.group(3)) != envelope.get("size"):
                 raise ApiError("bad_range", "Content-Range must be 'bytes start-end/size' for this file")
             start = int(match.group(1))
-        try:
-            state = upload_begin(
-                device=device,
-                envelope=envelope,
-                signature=request.headers.get("X-Delta-Signature"),
-                channel=Delta.Channel.REST,
-                metrics=metrics,
-            )
-            if state.delta is None:
-                if int(request.headers.get("Content-Length") or 0) > settings.DELTA_MAX_BYTES:
-                    raise UploadRefused("too_large", f"the body is above {settings.DELTA_MAX_BYTES} bytes", 413)
-                if start != state.offset:
-                    raise UploadRefused(
-                        "wrong_offset", f"the server holds {state.offset} bytes; resume from there", 409
-                    )
-                stream = request.stream
-                offset = start
-                while stream is not None and state.delta is None and (chunk := stream.read(CHUNK)):
-                    state = upload_append(
-                        device=device, sha256=sha256, offset=offset, data=chunk, channel=Delta.Channel.REST
-                    )
-                    offset += len(chunk)
-        except UploadRefused as exc:
-            raise _refused(exc) from None
+        # A refusal (training.federation.intake.UploadRefused) answers with its code and status
+        # (core.api.errors): nothing of this request is stored.
+        state = upload_begin(
+            device=device,
+            envelope=envelope,
+            signature=request.headers.get("X-Delta-Signature"),
+            channel=Delta.Channel.REST,
+            metrics=metrics,
+        )
+        if state.delta is None:
+            if int(request.headers.get("Content-Length") or 0) > settings.DELTA_MAX_BYTES:
+                raise UploadTooLarge("too_large", f"the body is above {settings.DELTA_MAX_BYTES} bytes")
+            if start != state.offset:
+                raise UploadConflict("wrong_offset", f"the server holds {state.offset} bytes; resume from there")
+            stream = request.stream
+            offset = start
+            while stream is not None and state.delta is None and (chunk := stream.read(CHUNK)):
+                state = upload_append(
+                    device=device, sha256=sha256, offset=offset, data=chunk, channel=Delta.Channel.REST
+                )
+                offset += len(chunk)
         code = status.HTTP_201_CREATED if state.delta is not None and state.delta.state != "uploading" else 200
         return Response(state.body(), status=code)
 
@@ -137,7 +131,7 @@ class RoundViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
     read_role = Role.VIEWER
     write_role = Role.OPERATOR
     serializer_class = RoundSerializer
-    filterset_fields = ["state", "adapter__name", "strategy"]
+    filterset_class = RoundFilterSet
 
     def get_queryset(self):
         return _round_queryset()

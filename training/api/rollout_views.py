@@ -17,6 +17,7 @@ from training.api.rollout_serializers import (
     RolloutDetailSerializer,
     RolloutSerializer,
 )
+from training.filters import RolloutFilterSet
 from training.models import Assignment, Rollout
 from training.rollouts.delivery import assignment_message, current_assignment
 from training.rollouts.joining import assignment_at_check_in
@@ -43,7 +44,7 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
 
     read_role = Role.VIEWER
     write_role = Role.OPERATOR
-    filterset_fields = ["state", "cohort__name", "version__adapter__name"]
+    filterset_class = RolloutFilterSet
 
     def get_queryset(self):
         counts = {f"n_{state}": count for state, count in _COUNTS.items()}

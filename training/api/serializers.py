@@ -5,7 +5,7 @@ from core.api.serializers import JsonObjectField, StrictTypesMixin
 from devices.models import Cohort
 from training.api.personalization_serializers import PersonalizationField
 from training.federation.aggregation_settings import AGGREGATION_HELP, validate_aggregation
-from training.models import Adapter, AdapterVersion, BaseModel, TrainingEvent
+from training.models import Adapter, AdapterVersion, BaseModel
 from training.registry.personalization_settings import PERSONALIZATION_HELP
 
 
@@ -161,9 +161,3 @@ class ImportVersionSerializer(serializers.Serializer):  # multipart only: every 
 
 class VersionActionSerializer(StrictTypesMixin, serializers.Serializer):
     reason = serializers.CharField(max_length=500, required=False, default="", allow_blank=True)
-
-
-class TrainingEventSerializer(serializers.ModelSerializer):
-    class Meta:
-        model = TrainingEvent
-        fields = ["id", "kind", "actor_label", "detail", "created_at"]

@@ -31,10 +31,6 @@ from training.registry.services import _next_number, _record
 logger = logging.getLogger(__name__)
 
 
-class AggregationFailed(Exception):
-    pass
-
-
 # PostgreSQL advisory locks (namespace, round id) held by the process aggregating a round, for as long as it does:
 # a second task for the same round (queued again by ``requeue_stalled_rounds``) does not run beside it, and the
 # rescue sees that the round is being worked on. A worker that dies loses its connection, and the lock with it.

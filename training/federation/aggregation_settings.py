@@ -38,8 +38,8 @@ DP_DEFAULTS: dict[str, Any] = {
 ROBUST = ("trimmed_mean", "median", "krum", "multi_krum")  # the strategies mixing applies to
 STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "mixing", "shard_size")
 # Nearest-neighbour mixing unless an operator says "none": Krum keeps one delta per round, and bare, on devices
-# whose data differ, it learns far less than the mean (60% against 93% on the digits fleet); mixed, it keeps up
-# (bench/README.md, "poisoning.py"). The others are better bare, or only as good, so theirs is off.
+# whose data differ, it learns far less than the mean; mixed, it keeps up (bench/README.md, "poisoning.py").
+# The others are better bare, or only as good, so theirs is off.
 MIXING_DEFAULTS = {"krum": "nnm"}
 MIXING_VALUES = (None, "nnm", "none")
 

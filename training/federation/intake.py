@@ -27,6 +27,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from core.errors import Conflict, DomainError, Forbidden, NotFound, TooLarge, TooMany
 from core.queries import only_row
 from edge_agent.delta import parse_envelope
 from training.federation.events import announce_delta
@@ -39,12 +40,29 @@ _SIGNATURE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # base64url, as the device sen
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class UploadRefused(Exception):
-    """Refused at the door: nothing is stored. ``code`` is stable; ``status`` is the HTTP status."""
+class UploadRefused(DomainError):
+    """Refused at the door: nothing is stored. ``code`` is stable (the socket's ``delta_error``, the API's
+    ``error.code``); the kinds below say which kind of refusal it is."""
 
-    def __init__(self, code: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.code, self.message, self.status = code, message, status
+
+class UploadNotFound(NotFound, UploadRefused):
+    pass
+
+
+class UploadForbidden(Forbidden, UploadRefused):
+    pass
+
+
+class UploadConflict(Conflict, UploadRefused):
+    pass
+
+
+class UploadTooLarge(TooLarge, UploadRefused):
+    pass
+
+
+class UploadTooMany(TooMany, UploadRefused):
+    pass
 
 
 @dataclass(frozen=True)
@@ -72,7 +90,7 @@ def _staging(device_id, sha256: str) -> tuple[Path, Path]:
     # The name comes from the device (a socket's delta_chunk): anything but a sha256 could lead out of the
     # device's own folder, e.g. ``../<another device>/<its sha256>`` into that device's unfinished upload.
     if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
-        raise UploadRefused("unknown_upload", "no such upload: an upload is named by its sha256 (64 hex digits)", 404)
+        raise UploadNotFound("unknown_upload", "no such upload: an upload is named by its sha256 (64 hex digits)")
     folder = Path(settings.DELTA_STAGING_DIR) / str(device_id)
     return folder / f"{sha256}.part", folder / f"{sha256}.json"
 
@@ -126,7 +144,7 @@ def _parse(device, envelope, signature) -> dict:
     if not isinstance(signature, str) or not _SIGNATURE.fullmatch(signature):
         raise UploadRefused("malformed_envelope", "the upload needs the envelope's signature (base64url)")
     if envelope["device_id"] != str(device.pk):
-        raise UploadRefused("wrong_device", "the envelope names another device; a device uploads only as itself", 403)
+        raise UploadForbidden("wrong_device", "the envelope names another device; a device uploads only as itself")
     return envelope
 
 
@@ -167,8 +185,8 @@ def upload_begin(*, device, envelope, signature, channel: str, metrics: dict | N
                 existing = _existing(device, sha256)  # a repeat of a stored file (its lock file swept) is answered
                 if existing is not None:
                     return UploadState(sha256, size, size, existing)
-                raise UploadRefused(
-                    "too_many_uploads", f"this device has {len(staged)} unfinished uploads; finish or wait", 429
+                raise UploadTooMany(
+                    "too_many_uploads", f"this device has {len(staged)} unfinished uploads; finish or wait"
                 )
             part.touch()
         kept = _metrics(metrics) or (json.loads(meta.read_text()).get("metrics", {}) if meta.exists() else {})
@@ -272,12 +290,12 @@ def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str
             existing = _existing(device, sha256)
             if existing is not None:
                 return UploadState(sha256, existing.size, existing.size, existing)
-            raise UploadRefused("unknown_upload", "no upload of this file was begun; send the envelope first", 404)
+            raise UploadNotFound("unknown_upload", "no upload of this file was begun; send the envelope first")
         staged = json.loads(meta.read_text())
         envelope, size = staged["envelope"], staged["envelope"]["size"]
         have = part.stat().st_size
         if offset != have:
-            raise UploadRefused("wrong_offset", f"the server holds {have} bytes of this file; continue from there", 409)
+            raise UploadConflict("wrong_offset", f"the server holds {have} bytes of this file; continue from there")
         if have + len(data) > size:
             part.unlink(missing_ok=True)
             meta.unlink(missing_ok=True)
@@ -334,16 +352,6 @@ def _finish(device, staged: dict, channel: str, *, part: Path | None = None, dat
         transaction.on_commit(lambda: queue_verification(delta.pk))
     announce_delta(delta)
     return delta
-
-
-def upload_whole(*, device, envelope, signature, data_chunks, channel: str, metrics=None) -> UploadState:
-    """A whole (or resumed, from ``data_chunks``' first offset) upload in one call, for REST."""
-    state = upload_begin(device=device, envelope=envelope, signature=signature, channel=channel, metrics=metrics)
-    for offset, chunk in data_chunks(state.offset):
-        if state.delta is not None:
-            break
-        state = upload_append(device=device, sha256=state.sha256, offset=offset, data=chunk, channel=channel)
-    return state
 
 
 def upload_state(*, device, sha256: str) -> UploadState | None:

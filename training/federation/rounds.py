@@ -14,7 +14,7 @@ from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.api.errors import ApiError
+from core.errors import Conflict, DomainError
 from core.queries import only_row
 from devices.models import Device, DeviceStatus
 from training import dispatch
@@ -43,17 +43,24 @@ def dp_epsilon_after_round(adapter: Adapter, buffer_size: int) -> float:
     return epsilon_if_round_runs(history, dp["noise_multiplier"], dp_sample_rate(adapter, buffer_size), dp["delta"])
 
 
+class DpBudgetExhausted(Conflict):
+    """Another round would spend more privacy than the adapter's epsilon budget allows."""
+
+
+class RoundAlreadyOpen(Conflict):
+    """The adapter has a collecting round already (one at a time)."""
+
+
 def _check_dp_budget(adapter: Adapter, buffer_size: int) -> None:
     dp = dp_settings(adapter)
     if not dp["enabled"]:
         return
     after = dp_epsilon_after_round(adapter, buffer_size)
     if after > dp["epsilon_budget"]:
-        raise ApiError(
+        raise DpBudgetExhausted(
             "dp_budget_exhausted",
             f"another round would bring {adapter.name}'s epsilon from {adapter.dp_epsilon:.3g} to {after:.3g}, "
             f"past its budget of {dp['epsilon_budget']:.3g}; no round starts",
-            status_code=409,
             details={"epsilon": adapter.dp_epsilon, "epsilon_after": after, "budget": dp["epsilon_budget"]},
         )
 
@@ -88,9 +95,8 @@ def round_open(
                 min_deltas=min_deltas,
                 timeout_seconds=timeout_seconds,
             )
-    except ApiError as refusal:
-        if refusal.error_code == "dp_budget_exhausted":
-            _record("round.refused", actor=actor, adapter=adapter, code=refusal.error_code, message=refusal.message)
+    except DpBudgetExhausted as refusal:
+        _record("round.refused", actor=actor, adapter=adapter, code=refusal.code, message=refusal.message)
         raise
 
 
@@ -99,10 +105,10 @@ def _round_create(*, adapter, actor, buffer_size, min_deltas, timeout_seconds) -
     adapter.refresh_from_db()
     settings_ = aggregation_settings(adapter)
     if adapter.rounds.filter(state=Round.State.COLLECTING).exists():
-        raise ApiError("round_already_open", f"{adapter.name} already has a collecting round", status_code=409)
+        raise RoundAlreadyOpen("round_already_open", f"{adapter.name} already has a collecting round")
     base = newest_version(adapter)
     if base is None:
-        raise ApiError("no_version", f"{adapter.name} has no version to build on; seed or import one", status_code=409)
+        raise Conflict("no_version", f"{adapter.name} has no version to build on; seed or import one")
     buffer_size = buffer_size or settings_["buffer_size"]
     min_deltas = min(min_deltas or settings_["min_deltas"], buffer_size)
     _check_dp_budget(adapter, buffer_size)
@@ -198,9 +204,10 @@ def _open_for(delta: Delta) -> tuple[Round | None, bool]:
             round_open(adapter=delta.adapter)
         except IntegrityError:
             pass  # another worker's round went in first
-        except ApiError as refusal:
-            if refusal.error_code != "round_already_open":
-                return None, False
+        except RoundAlreadyOpen:
+            pass  # another worker's round, committed: look for it below
+        except DomainError:  # DP budget, no version: the delta waits for the next round that opens
+            return None, False
         adopted_by = Delta.objects.filter(pk=delta.pk).values_list("round_id", flat=True).first()
         if adopted_by is not None:
             return Round.objects.get(pk=adopted_by), True
@@ -250,10 +257,10 @@ def round_close(*, round_: Round, actor) -> Round:
     """An operator closes a collecting round now (it needs at least one accepted delta)."""
     locked = Round.objects.select_for_update(no_key=True).get(pk=round_.pk)
     if locked.state != Round.State.COLLECTING:
-        raise ApiError("invalid_transition", f"the round is {locked.state}, not collecting", status_code=409)
+        raise Conflict("invalid_transition", f"the round is {locked.state}, not collecting")
     count = _accepted_count(locked)
     if count == 0:
-        raise ApiError("round_empty", "the round has no accepted deltas yet", status_code=409)
+        raise Conflict("round_empty", "the round has no accepted deltas yet")
     _close(locked, "manual", count, actor=actor)
     locked.refresh_from_db()
     return locked
@@ -264,9 +271,7 @@ def round_rerun(*, round_: Round, actor) -> Round:
     """Run a failed round's aggregation again, on the same deltas."""
     locked = Round.objects.select_for_update(no_key=True).get(pk=round_.pk)
     if locked.state != Round.State.FAILED:
-        raise ApiError(
-            "invalid_transition", f"only a failed round runs again; this one is {locked.state}", status_code=409
-        )
+        raise Conflict("invalid_transition", f"only a failed round runs again; this one is {locked.state}")
     Round.objects.filter(pk=locked.pk).update(state=Round.State.AGGREGATING, failure="")
     _record("round.rerun", actor=actor, adapter=locked.adapter, round=locked.pk)
     transaction.on_commit(lambda: dispatch.aggregate_round(locked.pk))

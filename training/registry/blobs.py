@@ -69,10 +69,6 @@ def blob_read(sha256: str) -> bytes:
         return handle.read()
 
 
-def blob_exists(sha256: str) -> bool:
-    return _storage().exists(blob_name(sha256))
-
-
 @contextmanager
 def blob_local_path(sha256: str) -> Iterator[str]:
     """A local file path holding the blob, for readers that need one (``safetensors.safe_open`` maps it).

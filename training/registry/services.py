@@ -16,7 +16,7 @@ from django.db.models import Max
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from core.api.errors import ApiError
+from core.errors import Conflict, Invalid, TooLarge
 from edge_agent.families import get_family
 from edge_agent.lora import initial_tensors, peft_config, tensor_spec
 from training.models import Adapter, AdapterVersion, BaseModel, Rollout, TrainingEvent
@@ -38,15 +38,15 @@ def _record(kind: str, *, actor, adapter=None, version=None, **detail) -> None:
     )
 
 
-def _rejected(exc: ArtifactRejected) -> ApiError:
-    return ApiError(f"artifact_{exc.code}", str(exc), status_code=400)
+def _rejected(exc: ArtifactRejected) -> Invalid:
+    return Invalid(f"artifact_{exc.code}", str(exc))
 
 
 def _family(name: str):
     try:
         return get_family(name)
     except LookupError as exc:
-        raise ApiError("unknown_family", str(exc), status_code=400) from None
+        raise Invalid("unknown_family", str(exc)) from None
 
 
 def build_base(base_model: BaseModel) -> torch.nn.Module:
@@ -68,7 +68,7 @@ def base_model_create(
     if weights is None:
         weights = save_safetensors({key: t.contiguous() for key, t in module.state_dict().items()})
     elif len(weights) > MAX_ARTIFACT_BYTES:
-        raise ApiError("artifact_too_large", f"weights above {MAX_ARTIFACT_BYTES} bytes", status_code=413)
+        raise TooLarge("artifact_too_large", f"weights above {MAX_ARTIFACT_BYTES} bytes")
     try:
         load_checked(weights, expected)
     except ArtifactRejected as exc:
@@ -109,7 +109,7 @@ def adapter_create(
     try:
         spec = tensor_spec(build_base(base_model), rank=rank, target_modules=targets, modules_to_save=to_save)
     except ValueError as exc:
-        raise ApiError("invalid_adapter", str(exc), status_code=400) from None
+        raise Invalid("invalid_adapter", str(exc)) from None
     adapter = Adapter.objects.create(
         name=name,
         base_model=base_model,
@@ -169,7 +169,7 @@ def version_import(
 ) -> AdapterVersion:
     """Import a PEFT adapter file; it must match the adapter's spec exactly and hold finite values."""
     if len(data) > MAX_ARTIFACT_BYTES:
-        raise ApiError("artifact_too_large", f"the file is above {MAX_ARTIFACT_BYTES} bytes", status_code=413)
+        raise TooLarge("artifact_too_large", f"the file is above {MAX_ARTIFACT_BYTES} bytes")
     if config is not None:
         _check_peft_config(adapter, config)
     try:
@@ -195,7 +195,7 @@ def version_import(
 
 def _check_peft_config(adapter: Adapter, config: dict) -> None:
     if not isinstance(config, dict):
-        raise ApiError("invalid_config", "adapter_config.json must be a JSON object", status_code=400)
+        raise Invalid("invalid_config", "adapter_config.json must be a JSON object")
     problems = []
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         problems.append(f"peft_type is {config.get('peft_type')!r}, not LORA")
@@ -207,9 +207,7 @@ def _check_peft_config(adapter: Adapter, config: dict) -> None:
     ):
         problems.append(f"target_modules {targets!r} differ from {adapter.target_modules}")
     if problems:
-        raise ApiError(
-            "invalid_config", "adapter_config.json does not match the adapter: " + "; ".join(problems), status_code=400
-        )
+        raise Invalid("invalid_config", "adapter_config.json does not match the adapter: " + "; ".join(problems))
 
 
 _TRANSITIONS = {
@@ -223,7 +221,7 @@ def version_transition(*, version: AdapterVersion, action: str, actor, reason: s
     allowed, target = _TRANSITIONS[action]
     current = AdapterVersion.objects.select_for_update(no_key=True).get(pk=version.pk)
     if current.state not in allowed:
-        raise ApiError("invalid_transition", f"Cannot {action} a version that is {current.state}.", status_code=409)
+        raise Conflict("invalid_transition", f"Cannot {action} a version that is {current.state}.")
     AdapterVersion.objects.filter(pk=version.pk).update(state=target)
     version.refresh_from_db()
     _record(f"version.{action}d", actor=actor, adapter=version.adapter, version=version, reason=reason)
@@ -280,11 +278,10 @@ def adapter_set_cohorts(*, adapter: Adapter, actor, cohorts) -> Adapter:
         .first()
     )
     if busy is not None:
-        raise ApiError(
+        raise Conflict(
             "cohort_in_use",
             f"rollout {busy.pk} of {adapter.name} is {busy.state} in cohort {busy.cohort.name}; "
             "abort it or let it finish before the adapter stops serving that cohort",
-            status_code=409,
         )
     if set(before) != set(after):
         adapter.cohorts.set(list(after))
@@ -304,9 +301,7 @@ def _personalization_checked(values, *, modules: list[str]) -> dict:
     try:
         return validate_personalization(values, modules=modules)
     except ValueError as exc:
-        raise ApiError(
-            "invalid", "The request has invalid fields.", status_code=400, details={"personalization": [str(exc)]}
-        ) from None
+        raise Invalid("invalid", "The request has invalid fields.", details={"personalization": [str(exc)]}) from None
 
 
 @transaction.atomic

@@ -17,7 +17,7 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from core.api.errors import ApiError
+from core.errors import Conflict, Invalid, NotFound
 from core.live import LiveEvent, publish
 from devices.models import Device, DeviceStatus
 from devices.push import device_command
@@ -51,22 +51,19 @@ def _record(kind: str, rollout: Rollout, actor, **detail) -> None:
 
 def validate_phases(phases) -> list[dict]:
     if not isinstance(phases, list) or not 1 <= len(phases) <= 20:
-        raise ApiError("invalid_phases", "phases must be a list of 1 to 20 phases", status_code=400)
+        raise Invalid("invalid_phases", "phases must be a list of 1 to 20 phases")
     cleaned, previous = [], 0.0
     for index, phase in enumerate(phases):
         if not isinstance(phase, dict):
-            raise ApiError("invalid_phases", f"phase {index} must be an object", status_code=400)
+            raise Invalid("invalid_phases", f"phase {index} must be an object")
         percent, soak = phase.get("percent"), phase.get("min_soak_seconds", 0)
         if not isinstance(percent, int | float) or isinstance(percent, bool) or not previous < percent <= 100:
-            raise ApiError(
+            raise Invalid(
                 "invalid_phases",
                 f"phase {index}: percent must rise above {previous:g} and be at most 100",
-                status_code=400,
             )
         if not isinstance(soak, int) or isinstance(soak, bool) or soak < 0:
-            raise ApiError(
-                "invalid_phases", f"phase {index}: min_soak_seconds must be a whole number ≥ 0", status_code=400
-            )
+            raise Invalid("invalid_phases", f"phase {index}: min_soak_seconds must be a whole number ≥ 0")
         cleaned.append({"percent": float(percent), "min_soak_seconds": soak})
         previous = float(percent)
     return cleaned
@@ -74,17 +71,17 @@ def validate_phases(phases) -> list[dict]:
 
 def validate_guards(guards) -> list[dict]:
     if not isinstance(guards, list) or len(guards) > 10:
-        raise ApiError("invalid_guards", "guards must be a list of at most 10 guards", status_code=400)
+        raise Invalid("invalid_guards", "guards must be a list of at most 10 guards")
     cleaned = []
     for index, guard in enumerate(guards):
         if not isinstance(guard, dict) or not isinstance(guard.get("metric"), str) or not guard["metric"]:
-            raise ApiError("invalid_guards", f"guard {index} needs a metric name", status_code=400)
+            raise Invalid("invalid_guards", f"guard {index} needs a metric name")
         bounds = {key: guard[key] for key in ("min", "max") if key in guard}
         if not bounds or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in bounds.values()):
-            raise ApiError("invalid_guards", f"guard {index} needs a numeric min or max", status_code=400)
+            raise Invalid("invalid_guards", f"guard {index} needs a numeric min or max")
         min_reports = guard.get("min_reports", 1)
         if not isinstance(min_reports, int) or min_reports < 1:
-            raise ApiError("invalid_guards", f"guard {index}: min_reports must be ≥ 1", status_code=400)
+            raise Invalid("invalid_guards", f"guard {index}: min_reports must be ≥ 1")
         cleaned.append({"metric": guard["metric"], **bounds, "min_reports": min_reports})
     return cleaned
 
@@ -101,15 +98,13 @@ def rollout_create(
     actor,
 ) -> Rollout:
     if version.state == AdapterVersion.State.REVOKED:
-        raise ApiError("version_revoked", f"{version} is revoked and cannot be rolled out", status_code=409)
+        raise Conflict("version_revoked", f"{version} is revoked and cannot be rolled out")
     if not version.adapter.cohorts.filter(pk=cohort.pk).exists():
-        raise ApiError(
-            "cohort_not_served", f"adapter {version.adapter.name} does not serve cohort {cohort.name}", status_code=409
-        )
+        raise Conflict("cohort_not_served", f"adapter {version.adapter.name} does not serve cohort {cohort.name}")
     if on_breach not in Rollout.OnBreach.values:
-        raise ApiError("invalid_on_breach", "on_breach must be pause or rollback", status_code=400)
+        raise Invalid("invalid_on_breach", "on_breach must be pause or rollback")
     if not 0 <= max_failure_rate <= 1:
-        raise ApiError("invalid_failure_rate", "max_failure_rate must be between 0 and 1", status_code=400)
+        raise Invalid("invalid_failure_rate", "max_failure_rate must be between 0 and 1")
     rollout = Rollout.objects.create(
         version=version,
         cohort=cohort,
@@ -141,7 +136,7 @@ def _set_state(rollout: Rollout, state: str, *, reason: str = "", **fields) -> N
 def rollout_start(*, rollout: Rollout, actor) -> Rollout:
     rollout = _lock(rollout)
     if rollout.state != Rollout.State.DRAFT:
-        raise ApiError("invalid_transition", f"Cannot start a rollout that is {rollout.state}.", status_code=409)
+        raise Conflict("invalid_transition", f"Cannot start a rollout that is {rollout.state}.")
     busy = Rollout.objects.filter(
         cohort=rollout.cohort,
         version__adapter=rollout.version.adapter,
@@ -150,11 +145,10 @@ def rollout_start(*, rollout: Rollout, actor) -> Rollout:
     earlier = busy.first()
     if earlier is not None:
         waiting = f" ({earlier.state_reason})" if earlier.state_reason else ""
-        raise ApiError(
+        raise Conflict(
             "rollout_in_progress",
             f"rollout {earlier.pk} of this adapter is still {earlier.state} in {rollout.cohort.name}{waiting}; "
             "wait for it or abort it",
-            status_code=409,
         )
     now = timezone.now()
     _set_state(rollout, Rollout.State.RUNNING, started_at=now, phase_started_at=now, current_phase=0)
@@ -223,7 +217,7 @@ def deliver(assignment_id: int) -> bool:
 def rollout_pause(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     rollout = _lock(rollout)
     if rollout.state != Rollout.State.RUNNING:
-        raise ApiError("invalid_transition", f"Cannot pause a rollout that is {rollout.state}.", status_code=409)
+        raise Conflict("invalid_transition", f"Cannot pause a rollout that is {rollout.state}.")
     _set_state(rollout, Rollout.State.PAUSED, reason=reason)
     _record("rollout.paused", rollout, actor, reason=reason)
     return rollout
@@ -233,7 +227,7 @@ def rollout_pause(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
 def rollout_resume(*, rollout: Rollout, actor) -> Rollout:
     rollout = _lock(rollout)
     if rollout.state != Rollout.State.PAUSED:
-        raise ApiError("invalid_transition", f"Cannot resume a rollout that is {rollout.state}.", status_code=409)
+        raise Conflict("invalid_transition", f"Cannot resume a rollout that is {rollout.state}.")
     _set_state(rollout, Rollout.State.RUNNING, phase_started_at=timezone.now())
     count = _assign_phase(rollout)  # devices that enrolled or were approved while it was paused
     _record("rollout.resumed", rollout, actor, assigned=count)
@@ -254,7 +248,7 @@ def rollout_abort(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     """Stop here: nothing more is assigned; devices keep what they already installed."""
     rollout = _lock(rollout)
     if rollout.state not in (Rollout.State.RUNNING, Rollout.State.PAUSED):
-        raise ApiError("invalid_transition", f"Cannot abort a rollout that is {rollout.state}.", status_code=409)
+        raise Conflict("invalid_transition", f"Cannot abort a rollout that is {rollout.state}.")
     counts = device_counts(rollout)  # as it stood when stopped: its pending devices are the ones withdrawn
     withdrawn = _supersede_pending(rollout, "rollout aborted")
     _set_state(rollout, Rollout.State.ABORTED, reason=reason, finished_at=timezone.now(), device_counts=counts)
@@ -270,7 +264,7 @@ def rollout_rollback(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     """Every device this rollout reached gets a new assignment (a newer seq) back to what it ran before."""
     rollout = _lock(rollout)
     if rollout.state not in (Rollout.State.RUNNING, Rollout.State.PAUSED, Rollout.State.COMPLETED):
-        raise ApiError("invalid_transition", f"Cannot roll back a rollout that is {rollout.state}.", status_code=409)
+        raise Conflict("invalid_transition", f"Cannot roll back a rollout that is {rollout.state}.")
     counts = device_counts(rollout)
     _supersede_pending(rollout, "rollout rolled back")
     reached = rollout.assignments.filter(state__in=[Assignment.State.INSTALLED, Assignment.State.DELIVERED])
@@ -367,7 +361,7 @@ def _complete_when_settled(rollout: Rollout) -> str:
 def assignment_report(*, device: Device, assignment_id, status: str, reason: str = "", metrics=None) -> Assignment:
     """A device says what became of one of its assignments. Only its own; only forward in the lifecycle."""
     if status not in ("delivered", "installed", "failed"):
-        raise ApiError("invalid_status", "status must be delivered, installed or failed", status_code=400)
+        raise Invalid("invalid_status", "status must be delivered, installed or failed")
     metrics = metrics or {}
     if (
         not isinstance(metrics, dict)
@@ -382,11 +376,9 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
             for k, v in metrics.items()
         )
     ):
-        raise ApiError(
-            "invalid_metrics", f"metrics must map up to {REPORTABLE_METRICS} names to finite numbers", status_code=400
-        )
+        raise Invalid("invalid_metrics", f"metrics must map up to {REPORTABLE_METRICS} names to finite numbers")
     if not isinstance(reason, str) or len(reason) > 300:
-        raise ApiError("invalid_reason", "reason must be a string of at most 300 characters", status_code=400)
+        raise Invalid("invalid_reason", "reason must be a string of at most 300 characters")
     with transaction.atomic():
         # The device row first, as assignment_create locks it before the device's assignments (the other order
         # deadlocked when a report crossed a new version's assignments). Rows are locked FOR NO KEY UPDATE
@@ -394,17 +386,16 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
         Device.objects.select_for_update(no_key=True).filter(pk=device.pk).values_list("pk", flat=True).first()
         assignment = Assignment.objects.select_for_update(no_key=True).filter(pk=assignment_id, device=device).first()
         if assignment is None:
-            raise ApiError("not_found", "No such assignment for this device.", status_code=404)
+            raise NotFound("not_found", "No such assignment for this device.")
         allowed = {
             "delivered": {Assignment.State.PENDING},
             "installed": {Assignment.State.PENDING, Assignment.State.DELIVERED},
             "failed": {Assignment.State.PENDING, Assignment.State.DELIVERED},
         }[status]
         if assignment.state not in allowed:
-            raise ApiError(
+            raise Conflict(
                 "invalid_transition",
                 f"assignment {assignment.seq} is {assignment.state}; cannot mark it {status}",
-                status_code=409,
             )
         now = timezone.now()
         assignment.state = status
