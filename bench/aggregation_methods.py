@@ -13,10 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import resource
-import struct
 import sys
 import time
 from pathlib import Path
@@ -98,47 +96,31 @@ def streaming_sha256(path: str) -> tuple[str, int]:
 
 
 def verify_streaming(index: int, path: str, sidecar: dict, spec: dict, max_norm: float) -> float:
-    """The server's checks without holding the file: envelope signature, sha256 and size (streamed), the
-    header with ``training.registry.artifacts.read_header`` on a read-only mmap (only the header's pages are read),
-    the encoding, the spec (``training.registry.artifacts.check_spec``), then finite values and the L2 norm with
-    ``training.federation.strategies.base.delta_norm`` (safe_open, row ranges). Returns the norm."""
-    from edge_agent.delta import read_encoding
-    from training.federation.strategies.base import DeltaInput, delta_norm
-    from training.registry.artifacts import check_spec, read_header
+    """The server's checks as verification runs them: the envelope's signature, then the product's
+    ``training.federation.verification.contents_check`` (one streaming pass: sha256 and size, header, spec,
+    finite values, the norm), then the norm bound. Returns the norm."""
+    from types import SimpleNamespace
 
-    envelope = check_envelope(sidecar)
-    sha, size = streaming_sha256(path)
-    if sha != envelope["sha256"] or size != envelope["size"]:
-        raise RuntimeError(f"{path}: hash_mismatch")
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        header = read_header(mapped)
-        (header_size,) = struct.unpack("<Q", mapped[:8])
-        metadata = json.loads(mapped[8 : 8 + header_size]).get("__metadata__") or {}
-    encoding, _ = read_encoding(metadata)
-    check_spec(header, {name: {**entry, "dtype": "F32"} for name, entry in spec.items()})
-    norm = delta_norm(DeltaInput(path, num_samples(index)), index)  # raises ValueError on NaN/inf
+    norm = verify_product(path, sidecar, SimpleNamespace(tensor_spec=spec, aggregation={}, dp={}))
     if norm > max_norm:
         raise RuntimeError(f"{path}: norm_too_large")
     return norm
 
 
 def verify_product(path: str, sidecar: dict, adapter) -> float:
-    """What ``training.federation.verification`` does for the contents: the whole file read into memory (as
-    ``blob_read``), then the real ``_check_contents`` (``load_safetensors`` of all of it)."""
-    from training.federation.verification import _check_contents
+    """What ``training.federation.verification`` does for the contents: ``contents_check``, one streaming pass
+    over the file (sha256 and size, header, spec, the library's header check, finite values, norm)."""
+    from training.federation.verification import contents_check
 
     envelope = check_envelope(sidecar)
     with open(path, "rb") as handle:
-        data = handle.read()
-    if hashlib.sha256(data).hexdigest() != envelope["sha256"] or len(data) != envelope["size"]:
-        raise RuntimeError(f"{path}: hash_mismatch")
-    _, norm = _check_contents(None, adapter, data)
+        _, norm = contents_check(handle, size=envelope["size"], sha256=envelope["sha256"], adapter=adapter, path=path)
     return norm
 
 
 def django_for_product() -> None:
     """``training.federation.verification`` imports Django models: configure Django with unreachable services (no
-    connection is made; ``_check_contents`` touches no database)."""
+    connection is made; ``contents_check`` touches no database)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fleet.settings")
     os.environ.setdefault("DATABASE_URL", "postgresql://bench@127.0.0.1:9/unused")
     os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:9/0")
@@ -253,6 +235,9 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
         if job.get("torch_threads"):
             torch.set_num_threads(job["torch_threads"])
         from training.federation.strategies import get_strategy  # noqa: F401
+
+        django_for_product()  # before the start: verification imports the models
+        import training.federation.verification  # noqa: F401
     base = rss_now()
     ready.put(os.getpid())
     go.wait()
@@ -421,7 +406,7 @@ def main() -> None:
             torch.set_num_threads(job["torch_threads"])
         from training.federation.strategies import get_strategy  # noqa: F401
 
-        if method == "verify_fedavg_product":
+        if method.startswith("verify_fedavg"):
             django_for_product()
             import training.federation.verification  # noqa: F401
     base = rss_now()

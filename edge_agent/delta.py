@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import save as save_safetensors
 
 from edge_agent.protocol import sign
+from edge_agent.safetensors_header import loads_noting_repeats
 
 FORMAT = "fleet-delta"
 ENCODINGS = {"f32": "F32", "f16": "F16", "int8": "I8"}
@@ -86,7 +87,7 @@ def read_encoding(metadata: dict[str, str] | None) -> tuple[str, dict[str, float
     scales: dict[str, float] = {}
     if encoding == "int8":
         try:
-            scales = json.loads(metadata.get("scales", ""))
+            scales, repeats = loads_noting_repeats(metadata.get("scales", ""))
         except (TypeError, ValueError, RecursionError):
             raise ValueError("an int8 delta needs a JSON 'scales' object in its metadata") from None
         if not isinstance(scales, dict) or not all(
@@ -94,6 +95,8 @@ def read_encoding(metadata: dict[str, str] | None) -> tuple[str, dict[str, float
             for v in scales.values()
         ):
             raise ValueError("int8 scales must be positive finite numbers")
+        if repeats:  # which of two scales would count is the reader's guess
+            raise ValueError(f"the int8 scales name {repeats[0].key!r} more than once")
     return encoding, {k: float(v) for k, v in scales.items()}
 
 

@@ -8,7 +8,8 @@ device never builds a model family or trains a configuration the server did not 
 the server's public key at enrollment and refuses, each with its own code: an unsigned or wrongly
 signed manifest, an expired one, one for another device or base model, one whose ``assignment_seq``
 is not newer than the last it accepted (an operator's rollback is a new assignment pointing at an old
-version, so it still carries a newer sequence), and a downloaded file whose size or sha256 differs from the manifest.
+version, so it still carries a newer sequence), a downloaded file whose size or sha256 differs from the manifest,
+and one whose safetensors header names a tensor (or any key) twice.
 
 Server key rotation: the envelope may carry ``key_rotations``, the chain of statements that leads from an
 older server key to the one that signed the manifest. Each statement ``{purpose: "server-key-rotation", seq,
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.protocol import public_key_from_b64, verify
+from edge_agent.safetensors_header import file_repeat_refusal
 
 PURPOSE = "adapter-manifest"
 ROTATION_PURPOSE = "server-key-rotation"
@@ -161,3 +163,5 @@ def verify_file(path: Path, *, sha256: str, size: int) -> None:
             digest.update(chunk)
     if digest.hexdigest() != sha256:
         raise ManifestRefused("hash_mismatch", "the downloaded file's sha256 differs from the manifest")
+    if refusal := file_repeat_refusal(path):  # a tensor named twice: the server may have read the other entry
+        raise ManifestRefused(*refusal)

@@ -122,6 +122,8 @@ CELERY_TASK_ROUTES = {
     "training.tasks.aggregate_round": {"queue": CELERY_AGGREGATION_QUEUE},
     "training.tasks.aggregate_shard": {"queue": CELERY_AGGREGATION_QUEUE},
     "training.tasks.combine_shards": {"queue": CELERY_AGGREGATION_QUEUE},
+    "training.tasks.aggregate_span": {"queue": CELERY_AGGREGATION_QUEUE},
+    "training.tasks.combine_spans": {"queue": CELERY_AGGREGATION_QUEUE},
 }
 CELERY_CONTROL_EXCHANGE = f"{REDIS_PREFIX}.control"
 CELERY_EVENT_EXCHANGE = f"{REDIS_PREFIX}.events"
@@ -408,6 +410,9 @@ CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
 # A round still `aggregating` this long after it closed, with no worker aggregating it, lost its task (a worker
 # killed while holding it: the broker hands it out again only after the visibility timeout; or the broker away
 # when the round closed); a beat task queues it again.
+# Working memory of a robust aggregation rule's coordinate blocks (median, trimmed mean, Krum): blocks shrink
+# as a round's N grows, so a worker's memory stays within this whatever the round's size.
+AGGREGATION_MEMORY_BUDGET_MB = env_int("AGGREGATION_MEMORY_BUDGET_MB", 512, minimum=16)
 ROUND_AGGREGATION_RESCUE_SECONDS = env_int("ROUND_AGGREGATION_RESCUE_SECONDS", 300, minimum=10)
 CELERY_BEAT_SCHEDULE["requeue-stalled-rounds"] = {
     "task": "training.tasks.requeue_stalled_rounds",

@@ -68,3 +68,43 @@ def plural(count: Any, noun: str, many: str = "") -> str:
     if not isinstance(count, int) or isinstance(count, bool):
         return f"{count} {many or noun + 's'}"
     return f"{count:,} {noun if count == 1 else many or noun + 's'}"
+
+
+def duration(seconds: Any) -> str:
+    """A span of time for people: ``0.35 s``, ``4.2 s``, ``12 s``, ``3 min 5 s``, ``2 h 5 min``, ``3 d 4 h``;
+    ``—`` when it is not known."""
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or math.isnan(seconds):
+        return "—"
+    if math.isinf(seconds):
+        return "∞"
+    seconds = max(0.0, float(seconds))
+    if seconds < 0.01:
+        return "under 0.01 s"
+    if seconds < 9.95:
+        return f"{seconds:.2g} s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        minutes, rest = divmod(whole, 60)
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+    minutes = round(seconds / 60)
+    if minutes < 24 * 60:
+        hours, rest = divmod(minutes, 60)
+        return f"{hours} h {rest} min" if rest else f"{hours} h"
+    hours = round(seconds / 3600)
+    days, rest = divmod(hours, 24)
+    return f"{days:,} d {rest} h" if rest else f"{days:,} d"
+
+
+def round_times(aggregation_seconds: Any, release_seconds: Any, *, rerun: bool = False) -> str:
+    """How long a round took, from its close (or its last re-run, ``rerun``) to its version and to its release:
+    ``aggregated in 4.2 s; released 12 s after close``, ``aggregated in 4.2 s; not released``; ``—`` before it
+    is aggregated, or for a round whose times were not kept."""
+    if aggregation_seconds is None:
+        return "—"
+    since = "re-run" if rerun else "close"
+    aggregated = f"aggregated in {duration(aggregation_seconds)}" + (" from re-run" if rerun else "")
+    if release_seconds is None:
+        return f"{aggregated}; not released"
+    return f"{aggregated}; released {duration(release_seconds)} after {since}"

@@ -245,6 +245,22 @@ class Round(models.Model):
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     closed_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
+    # How long the round took, for operators (its API and pages). The clock starts at its close or, for a failed
+    # round an operator ran again, at that last re-run: the time it sat failed, waiting for someone, is not the
+    # time aggregation takes. Rounds from before these were kept have them null (unknown), as has a round
+    # released before it had its aggregation time, so ``aggregation_seconds <= release_seconds`` always.
+    reran_at = models.DateTimeField(
+        null=True, blank=True, help_text="when an operator last ran this failed round again; its times count from here"
+    )
+    aggregated_at = models.DateTimeField(
+        null=True, blank=True, help_text="when its result version was stored (in the same transaction)"
+    )
+    released_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="when the first rollout of its result version started (devices assigned), by auto-release or an "
+        "operator",
+    )
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -257,6 +273,26 @@ class Round(models.Model):
 
     def __str__(self) -> str:
         return f"round {self.pk} of {self.adapter.name} on v{self.base_version.number}"
+
+    @property
+    def timed_from(self):
+        """Where the round's times count from: its last re-run, else its close."""
+        return self.reran_at or self.closed_at
+
+    def _seconds_to(self, moment) -> float | None:
+        # Never negative: the moments may come from the clocks of different hosts (web, workers).
+        start = self.timed_from
+        return None if moment is None or start is None else max(0.0, (moment - start).total_seconds())
+
+    @property
+    def aggregation_seconds(self) -> float | None:
+        """Seconds from close (or last re-run) to the result version stored; None until then, or unknown."""
+        return self._seconds_to(self.aggregated_at)
+
+    @property
+    def release_seconds(self) -> float | None:
+        """Seconds from close (or last re-run) to the first rollout of its result version starting."""
+        return self._seconds_to(self.released_at)
 
 
 class Delta(models.Model):

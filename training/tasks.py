@@ -9,15 +9,22 @@ from training.dispatch import TRANSIENT_ERRORS
 from training.federation.aggregation import (
     _round,
     aggregation_lock,
+    combine_grams,
     combine_partials,
+    combine_span_values,
     round_aggregate,
     round_deltas,
     shard_partial,
     shards_of,
+    span_gram,
+    span_values,
+    spans_failed,
+    spans_of,
 )
 from training.federation.intake import staged_expire
 from training.federation.rounds import close_due_rounds as close_due
 from training.federation.rounds import stalled_rounds
+from training.federation.strategies import get_strategy
 from training.federation.verification import delta_verify
 from training.federation.verify_queue import shard_drain
 from training.models import AdapterVersion, Rollout
@@ -92,12 +99,20 @@ def aggregate_round(round_id: int) -> int | None:
         round_ = _round(round_id) if mine else None
         if round_ is None:
             return None
-        shards = shards_of(round_, round_deltas(round_))
-        if shards is None:
-            version = round_aggregate(round_id=round_id)
-            return version.pk if version is not None else None
-        chord(aggregate_shard.s(round_id, ids) for ids in shards)(combine_shards.s(round_id))
-        return None
+        deltas = round_deltas(round_)
+        shards = shards_of(round_, deltas)
+        if shards is not None:
+            chord(aggregate_shard.s(round_id, ids) for ids in shards)(combine_shards.s(round_id))
+            return None
+        spans = spans_of(round_, deltas)
+        if spans is not None:  # a robust rule: each task reads its coordinate span of every delta
+            if get_strategy(round_.strategy).needs_gram(round_.params):
+                chord(aggregate_span.s(round_id, span, "gram") for span in spans)(combine_spans.s(round_id, "gram"))
+            else:
+                chord(aggregate_span.s(round_id, span) for span in spans)(combine_spans.s(round_id))
+            return None
+        version = round_aggregate(round_id=round_id)
+        return version.pk if version is not None else None
 
 
 @shared_task(name="training.tasks.requeue_stalled_rounds", ignore_result=True, time_limit=60, soft_time_limit=50)
@@ -118,6 +133,35 @@ def aggregate_shard(round_id: int, delta_ids: list[int]) -> dict:
 @shared_task(name="training.tasks.combine_shards", ignore_result=True, time_limit=3600, soft_time_limit=3500)
 def combine_shards(partials: list[dict], round_id: int) -> int | None:
     version = combine_partials(round_id=round_id, partials=partials)
+    return version.pk if version is not None else None
+
+
+@shared_task(name="training.tasks.aggregate_span", time_limit=3600, soft_time_limit=3500)
+def aggregate_span(round_id: int, span: list[int], stage: str = "values", gram_sha256: str | None = None) -> dict:
+    """One coordinate span of a robust round: its Gram matrix (``stage`` "gram") or its values."""
+    if stage == "gram":
+        part = span_gram(round_id=round_id, span=span)
+    else:
+        part = span_values(round_id=round_id, span=span, gram_sha256=gram_sha256)
+    return {**part, "worker": aggregate_span.request.hostname}
+
+
+@shared_task(name="training.tasks.combine_spans", ignore_result=True, time_limit=3600, soft_time_limit=3500)
+def combine_spans(parts: list[dict], round_id: int, stage: str = "values", gram_sha256: str | None = None):
+    """The spans' parts in span order: Gram matrices (then Krum chooses, or a mixing rule's value spans run
+    as a second chord) or a coordinate rule's values (then the version is stored)."""
+    if spans_failed(parts):
+        return None  # the round failed in the task that could not read a delta
+    if stage == "gram":
+        gram_sha256 = combine_grams(parts=parts)
+        round_ = _round(round_id)
+        if round_ is None:
+            return None
+        if hasattr(get_strategy(round_.strategy), "assemble"):  # a coordinate rule that mixes: now its values
+            spans = [[a, b] for a, b in spans_of(round_, round_deltas(round_)) or []]
+            chord(aggregate_span.s(round_id, span, "values", gram_sha256) for span in spans)(combine_spans.s(round_id))
+            return None
+    version = combine_span_values(round_id=round_id, parts=parts, gram_sha256=gram_sha256)
     return version.pk if version is not None else None
 
 

@@ -33,6 +33,18 @@ def number(value, key: str = "") -> str:
 
 
 @register.filter
+def duration(seconds) -> str:
+    """``{{ seconds|duration }}``: 4.2 s, 3 min 5 s, 2 h 5 min; — when it is not known."""
+    return wording.duration(seconds)
+
+
+@register.filter
+def round_times(round_) -> str:
+    """``{{ round|round_times }}``: aggregated in 4.2 s; released 12 s after close (``wording.round_times``)."""
+    return wording.round_times(round_.aggregation_seconds, round_.release_seconds, rerun=round_.reran_at is not None)
+
+
+@register.filter
 def utc_time(value) -> str:
     """A moment in UTC, as the whole dashboard shows time: ``14:03:07 UTC`` today, ``2025-01-31 14:03 UTC``
     before."""

@@ -181,6 +181,49 @@ def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_wo
     assert single.blob_sha256 == sharded.blob_sha256
 
 
+@pytest.fixture(scope="module")
+def two_more_workers(celery_worker_process, shared_blob_root):
+    """Two more real Celery workers (one process each) beside the session's: a chord's tasks spread over
+    three workers."""
+    from tests.conftest import start_worker, stop_worker
+
+    started = [start_worker(name=f"span{i}", blob_root=shared_blob_root, WORKER_CONCURRENCY="1")[0] for i in (1, 2)]
+    yield started
+    for process in started:
+        stop_worker(process)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("strategy", "mixing"),
+    [("median", "none"), ("trimmed_mean", "nnm"), ("krum", None)],
+    ids=["median", "trimmed+mixing", "krum"],
+)
+def test_a_robust_round_split_by_coordinates_across_workers_equals_one_workers_result(
+    trained, two_more_workers, strategy, mixing
+):
+    """Over more deltas than a shard, a robust rule runs as a chord of coordinate spans (each task reads its
+    span of every delta; with mixing or Krum, a chord of the spans' Gram matrices first): the version's
+    bytes are those of the same round aggregated on one worker."""
+    from training.federation.aggregation import round_aggregate
+
+    adapter, version, devices = trained
+    aggregation = {"strategy": strategy, "mixing": mixing, "buffer_size": 5, "min_deltas": 1, "shard_size": 2}
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={**aggregation, "coordinate_shards": 3})
+    for i in range(5):
+        receive(devices[i], adapter, make_delta_tensors(adapter, seed=70 + i), counter=1, samples=3 + i)
+    spread = wait_for(lambda: AdapterVersion.objects.filter(round__isnull=False).first())
+    round_ = Round.objects.get()
+    assert round_.stats["shards"] == 3 and round_.state == Round.State.COMPLETED
+    assert 1 <= round_.stats["workers"] <= 3  # which workers took the tasks is the broker's choice
+    # The same round, aggregated again on one worker (this process), gives the very same bytes.
+    Round.objects.filter(pk=round_.pk).update(state=Round.State.AGGREGATING)
+    AdapterVersion.objects.filter(pk=spread.pk).update(round=None)
+    Delta.objects.filter(round=round_).update(state="accepted")
+    single = round_aggregate(round_id=round_.pk)
+    assert single.blob_sha256 == spread.blob_sha256
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(trained, monkeypatch):
     """The adapter's ``mixing`` reaches the round's params and the strategy (checked against a brute-force

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 import training.federation.strategies.base as strategies_base
+import training.federation.strategies.flat as strategies_flat
 from tests.training.strategy_support import (
     A_KEYS,
     ALL,
@@ -286,6 +287,8 @@ def test_bad_delta_inputs_are_refused():
 
 @pytest.fixture
 def open_handles(monkeypatch):
+    """Every way a strategy opens a delta file, counted: ``safe_open`` (headers, the per-tensor reader) and
+    the flat reader's file descriptors (``strategies.flat``)."""
     real = strategies_base.safe_open
     state = {"open": 0, "peak": 0, "opened": 0}
 
@@ -304,6 +307,24 @@ def open_handles(monkeypatch):
             return self.handle.__exit__(*exc)
 
     monkeypatch.setattr(strategies_base, "safe_open", Counted)
+    monkeypatch.setattr(strategies_flat, "safe_open", Counted)
+
+    class CountedOs:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def open(self, *args, **kwargs):
+            fd = os.open(*args, **kwargs)
+            state["open"] += 1
+            state["opened"] += 1
+            state["peak"] = max(state["peak"], state["open"])
+            return fd
+
+        def close(self, fd):
+            state["open"] -= 1
+            os.close(fd)
+
+    monkeypatch.setattr(strategies_flat, "os", CountedOs())
     return state
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from tests.training.strategy_support import (
     write,
 )
 from training.federation.strategies import DeltaInput
-from training.federation.strategies.robust import chunk_plan
+from training.federation.strategies.flat import CoordinateOrder, FlatDelta
 
 
 def stacked_reference(inputs, factors=None):
@@ -30,21 +31,31 @@ def stacked_reference(inputs, factors=None):
     return {k: torch.stack([d[k] * f for d, f in zip(deltas, factors, strict=True)]) for k in SPEC}
 
 
-def test_chunk_plan_covers_every_coordinate_once_in_small_chunks():
+def test_the_coordinate_order_follows_the_first_file_and_covers_every_coordinate_once(tmp_path):
+    """Every coordinate of the spec has one place (in the order of the first delta's bytes, then the keys it
+    lacks); reading a delta flat gives each tensor back where the order says, whatever its own file's order."""
     shapes = {k: tuple(v["shape"]) for k, v in SPEC.items()} | {"scalar": (), "empty": (0, 3)}
-    plan = chunk_plan(shapes, 7)
-    assert len(plan) > 20
-    covered = {k: torch.zeros(math.prod(s), dtype=torch.int64) for k, s in shapes.items()}
-    for chunk in plan:
-        assert sum(s.size for s in chunk) <= max(7, max(s.size for s in chunk))
-        for s in chunk:
-            covered[s.key][s.offset : s.offset + s.size] += 1
-    assert all(bool((c == 1).all()) for c in covered.values())
+    tensors = rand_tensors(torch.Generator().manual_seed(5)) | {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    first = write(tmp_path, "first", tensors)
+    order = CoordinateOrder.of(shapes, first)
+    assert order.total == sum(math.prod(shape) for shape in shapes.values())
+    assert sorted(order.keys) == sorted(k for k, shape in shapes.items() if math.prod(shape))
+    covered = torch.zeros(order.total, dtype=torch.int64)
+    for key in order.keys:
+        covered[order.starts[key] : order.starts[key] + math.prod(shapes[key])] += 1
+    assert bool((covered == 1).all())
+    # a delta whose file lacks a key (as an FFA delta lacks lora_A) reads it as zeros, the rest in place
+    lacking = next(k for k in SPEC if ".lora_A." in k)
+    other = write(tmp_path, "other", {k: v for k, v in tensors.items() if k != lacking})
+    flat = np.empty(order.total, dtype=np.float32)
+    FlatDelta(DeltaInput(other, 1), 0, order, shape_ok=lambda *_: True).read(0, order.total, flat)
+    for key, value in order.split(flat).items():
+        want = torch.zeros(shapes[key]) if key == lacking else tensors[key].float()
+        assert torch.equal(torch.from_numpy(np.array(value)), want), key
 
 
 @pytest.mark.parametrize("n", [7, 8])
 def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 3)
     inputs = make_inputs(tmp_path, n, encoding="f16")
     got = run("median", inputs, {"chunk_elements": 7})
     for key, stacked in stacked_reference(inputs).items():
@@ -58,7 +69,6 @@ def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n):
 
 @pytest.mark.parametrize("ratio", [0.0, 0.1, 0.2, 0.45])
 def test_trimmed_mean_in_many_chunks_equals_sorted_trimming(tmp_path, monkeypatch, ratio):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 2)  # also reduce each chunk in several column blocks
     inputs = make_inputs(tmp_path, 10, encoding="int8")
     got = run("trimmed_mean", inputs, {"chunk_elements": 5, "trim_ratio": ratio})
     cut = int(ratio * 10)
@@ -112,7 +122,6 @@ def brute_force_scores(inputs, f):
 
 
 def test_krum_picks_the_most_central_honest_delta(tmp_path, monkeypatch):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 4)
     inputs = krum_inputs(tmp_path)
     scores = brute_force_scores(inputs, f=3)  # default f = floor((9 - 3) / 2)
     best = min(range(len(inputs)), key=lambda i: scores[i])
@@ -171,7 +180,6 @@ def unflat(vector):
 
 @pytest.mark.parametrize(("name", "reduce"), [("median", "median"), ("trimmed_mean", "trimmed")])
 def test_mixing_runs_the_coordinate_rule_on_each_delta_s_nearest_mean(tmp_path, monkeypatch, name, reduce):
-    monkeypatch.setattr(strategies_robust, "BLOCK", 3)
     inputs = make_inputs(tmp_path, 9, scale=2.0)
     factors = [min(1.0, 15.0 / norm_of(inp.path)) for inp in inputs]
     assert min(factors) < 1  # clipping comes before mixing
@@ -206,12 +214,18 @@ def test_krum_with_mixing_picks_among_the_mixed_deltas_without_reading_them_agai
     inputs = make_inputs(tmp_path, 9, seed=1)  # a case where the mixed deltas' ranking is not the originals'
     reads = []
     real_gather = strategies_robust.gather
-    monkeypatch.setattr(strategies_robust, "gather", lambda *a: reads.append(1) or real_gather(*a))
+    monkeypatch.setattr(
+        strategies_robust,
+        "gather",
+        lambda deltas, start, stop, *a: reads.append(stop - start) or real_gather(deltas, start, stop, *a),
+    )
     mixed = mixed_reference(flat_of(inputs), f=2)
     order = krum_order(mixed, f=2)
     assert order[0] != krum_order(flat_of(inputs), f=2)[0]
     got = run("krum", inputs, {"mixing": "nnm", "byzantine": 2, "chunk_elements": 10**6})
-    assert len(reads) == 1  # one pass for the Gram matrix; the result is a weighted sum of the originals
+    # one pass for the Gram matrix (every coordinate once, span by span); the result is a weighted sum of the
+    # originals
+    assert sum(reads) == sum(math.prod(v["shape"]) for v in SPEC.values())
     assert_same(got, unflat(mixed[order[0]]), rtol=1e-5, atol=1e-6)
     # Multi-Krum on clipped deltas: clipped, then mixed, then the best 4 mixed ones weighted by their samples
     factors = [min(1.0, 12.0 / norm_of(inp.path)) for inp in inputs]

@@ -41,7 +41,8 @@ def body_bits_signed(h: Harness, n: int) -> None:
 
 def header_bomb(h: Harness, n: int) -> None:
     """Safetensors headers built to hurt: lying length prefixes, deep nesting, huge headers, many or huge
-    tensor entries, odd JSON types where the parser expects names and strings. All signed by the device."""
+    tensor entries, odd JSON types where the parser expects names and strings, names and keys given twice. All
+    signed by the device."""
     name = sorted(h.fleet.adapter.tensor_spec)[0]
 
     def make(shape: str) -> bytes:
@@ -120,6 +121,16 @@ def header_bomb(h: Harness, n: int) -> None:
                 ]
             )
             return framed(json.dumps({**header, "__metadata__": metadata}).encode(), tail)
+        if shape == "duplicate_names":
+            # A tensor named twice (with its own entry again, or another tensor's), or a metadata key twice: JSON
+            # leaves the choice of entry to the reader, so the server refuses the file.
+            names = sorted(k for k in header if k != "__metadata__")
+            victim, pick = r.choice(names), r.choice(["same", "other", "metadata"])
+            if pick == "metadata":
+                raw = json.dumps(header).replace('"__metadata__": {', '"__metadata__": {"encoding": "f32", ', 1)
+                return framed(raw.encode(), tail)
+            entry = header[victim] if pick == "same" else header[r.choice(names)]
+            return framed((json.dumps(header)[:-1] + f", {json.dumps(victim)}: {json.dumps(entry)}}}").encode(), tail)
         # names a database or UTF-8 cannot hold
         odd = r.choice(["\u0000", "\ud800", "\udfff", "\x1b[31m", "\u202e", "a\u0000b"])
         if r.random() < 0.5:
@@ -139,6 +150,7 @@ def header_bomb(h: Harness, n: int) -> None:
         ("odd_types", 8),
         ("odd_metadata", 8),
         ("odd_names", 6),
+        ("duplicate_names", 4),
     ]
     kinds, weights = zip(*shapes, strict=True)
     for _ in range(n):

@@ -20,6 +20,7 @@ from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import sign_delta
 from edge_agent.protocol import b64encode
+from edge_agent.safetensors_header import loads_noting_repeats, repeat_refusal
 from training.federation.intake import upload_state
 from training.federation.verification import delta_verify
 from training.models import Delta
@@ -95,6 +96,8 @@ def still_a_valid_delta(data: bytes, spec: dict, bound: float) -> bool:
         header, _ = split(data)
         if int.from_bytes(data[:8], "little") > MAX_HEADER_BYTES or len(header) > MAX_TENSORS + 1:
             return False  # the documented limits ("the safetensors header parses within limits")
+        if repeat_refusal(loads_noting_repeats(data[8 : 8 + int.from_bytes(data[:8], "little")])[1]):
+            return False  # a tensor or key named twice: which entry counts is the reader's guess
         tensors = load_safetensors(data)
         metadata = header.get("__metadata__") or {}
         encoding = metadata.get("encoding", "f32")

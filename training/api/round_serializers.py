@@ -44,6 +44,18 @@ class RoundSerializer(serializers.ModelSerializer):
     result_version = serializers.SerializerMethodField()
     accepted = serializers.IntegerField(read_only=True, default=None)
     rejected = serializers.IntegerField(read_only=True, default=None)
+    aggregation_seconds = serializers.FloatField(
+        read_only=True,
+        allow_null=True,
+        help_text="seconds from the round's close (or its last re-run, `reran_at`) to its result version stored "
+        "(`aggregated_at`); null until then, and for rounds from before this was kept",
+    )
+    release_seconds = serializers.FloatField(
+        read_only=True,
+        allow_null=True,
+        help_text="seconds from the round's close (or its last re-run) to the start of the first rollout of its "
+        "result version (`released_at`), by auto-release or an operator; null until one starts",
+    )
 
     class Meta:
         model = Round
@@ -68,6 +80,11 @@ class RoundSerializer(serializers.ModelSerializer):
             "created_at",
             "closed_at",
             "completed_at",
+            "reran_at",
+            "aggregated_at",
+            "released_at",
+            "aggregation_seconds",
+            "release_seconds",
         ]
         read_only_fields = fields
 

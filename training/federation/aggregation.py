@@ -16,6 +16,7 @@ import time
 from contextlib import ExitStack
 
 import torch
+from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 from safetensors.torch import load as load_safetensors
@@ -70,7 +71,7 @@ def round_deltas(round_: Round) -> list[Delta]:
 
 
 def _params(round_: Round) -> dict:
-    params = dict(round_.params)
+    params = {"memory_budget": settings.AGGREGATION_MEMORY_BUDGET_MB << 20, **round_.params}
     if "dp" in params:  # fresh noise every run: a stored or derivable seed would let anyone subtract it
         params["dp"] = {**params["dp"], "seed": secrets.randbits(62)}
     return params
@@ -100,6 +101,90 @@ def shards_of(round_: Round, deltas: list[Delta]) -> list[list[int]] | None:
         return None
     ids = [delta.pk for delta in deltas]
     return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def spans_of(round_: Round, deltas: list[Delta]) -> list[tuple[int, int]] | None:
+    """Coordinate spans when the round's robust rule is worth splitting across workers (as many deltas as
+    a shard of the mean family would split at), else None. Each task then reads its span of every delta."""
+    strategy = get_strategy(round_.strategy)
+    if not strategy.shardable_by_coordinates or len(deltas) <= int(round_.params.get("shard_size", 64)):
+        return None
+    spans = strategy.spans(None, spec=round_.adapter.tensor_spec, params=_params(round_))
+    return spans if len(spans) > 1 else None
+
+
+def _span_run(round_id: int, work) -> dict:
+    """Run one span task's ``work(strategy, inputs, spec, params)`` on the round's deltas; a delta that cannot
+    be read fails the round (every task of the chord would fail on it again)."""
+    round_ = Round.objects.select_related("adapter", "base_version").get(pk=round_id)
+    deltas = round_deltas(round_)
+    try:
+        with ExitStack() as stack:
+            tensor = work(get_strategy(round_.strategy), _inputs(stack, round_, deltas), round_.adapter.tensor_spec)
+    except (ValueError, LookupError, OSError) as exc:
+        _fail(round_, f"{type(exc).__name__}: {exc}")
+        return {"failed": True}
+    blob = blob_put_bytes(save_safetensors({"part": tensor.contiguous()}))
+    return {"sha256": blob.sha256}
+
+
+def span_gram(*, round_id: int, span: list[int]) -> dict:
+    """One span's Gram matrix of the round's deltas, stored as a blob (float64): ``{"sha256"}``."""
+    round_ = Round.objects.get(pk=round_id)
+    params = _params(round_)
+    return _span_run(
+        round_id, lambda strategy, inputs, spec: strategy.gram_partial(inputs, spec=spec, params=params, span=span)
+    )
+
+
+def span_values(*, round_id: int, span: list[int], gram_sha256: str | None = None) -> dict:
+    """One span of a coordinate rule's result (float32), stored as a blob: ``{"sha256"}``. ``gram_sha256``:
+    the whole Gram matrix (combined from ``span_gram`` parts), when the rule mixes."""
+    round_ = Round.objects.get(pk=round_id)
+    params = _params(round_)
+    gram = _part(gram_sha256) if gram_sha256 else None
+    return _span_run(
+        round_id,
+        lambda strategy, inputs, spec: strategy.span_partial(inputs, spec=spec, params=params, span=span, gram=gram),
+    )
+
+
+def _part(sha256: str) -> torch.Tensor:
+    return load_safetensors(blob_read(sha256))["part"]
+
+
+def spans_failed(parts: list[dict]) -> bool:
+    return any(part.get("failed") for part in parts)
+
+
+def combine_grams(*, parts: list[dict]) -> str:
+    """The whole Gram matrix from the spans' parts (added in span order), stored as a blob: its sha256."""
+    gram = get_strategy("krum").combine_grams(_part(part["sha256"]) for part in parts)
+    return blob_put_bytes(save_safetensors({"part": gram.contiguous()})).sha256
+
+
+def combine_span_values(*, round_id: int, parts: list[dict], gram_sha256: str | None = None):
+    """The round's result from its spans: the coordinate rules' values in span order, or Krum's choice from
+    the whole Gram matrix (``gram_sha256``). Stored and released as ``round_aggregate`` does."""
+    round_ = _round(round_id)
+    if round_ is None:
+        return None
+    strategy = get_strategy(round_.strategy)
+    deltas = round_deltas(round_)
+    base = _base_tensors(round_)
+    started = time.monotonic()
+    try:
+        with ExitStack() as stack:
+            inputs = _inputs(stack, round_, deltas)
+            spec = round_.adapter.tensor_spec
+            if gram_sha256 is not None and not hasattr(strategy, "assemble"):
+                delta = strategy.from_gram(inputs, spec=spec, params=_params(round_), gram=_part(gram_sha256))
+            else:
+                delta = strategy.assemble([_part(part["sha256"]) for part in parts], spec=spec, inputs=inputs)
+    except (ValueError, LookupError, OSError) as exc:
+        return _fail(round_, f"{type(exc).__name__}: {exc}")
+    workers = len({part.get("worker") for part in parts if part.get("worker")}) or None
+    return _finish(round_, base, delta, deltas, started, shards=len(parts), workers=workers)
 
 
 def shard_partial(*, round_id: int, delta_ids: list[int]) -> dict:
@@ -174,7 +259,7 @@ def _fail(round_: Round, reason: str) -> None:
     return None
 
 
-def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started: float, shards: int = 1):
+def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started: float, shards: int = 1, workers=None):
     from training.federation.events import round_event
     from training.registry.evaluation import evaluate_tensors
 
@@ -194,12 +279,15 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
         "seconds": round(seconds, 3),
         "shards": shards,
     }
+    if workers is not None:  # a chord's: how many workers its tasks ran on
+        stats["workers"] = workers
     with transaction.atomic():
         locked = (
             Round.objects.select_for_update(no_key=True).filter(pk=round_.pk, state=Round.State.AGGREGATING).first()
         )
         if locked is None:
             return AdapterVersion.objects.filter(round=round_).first()
+        now = timezone.now()  # the version is stored, and the round aggregated, at this one moment
         try:
             with transaction.atomic():
                 version = AdapterVersion.objects.create(
@@ -212,6 +300,7 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
                     round=round_,
                     metrics=metrics,
                     note=f"round {round_.pk}: {round_.strategy} over {len(deltas)} deltas",
+                    created_at=now,
                 )
         except IntegrityError:
             return AdapterVersion.objects.filter(round=round_).first()
@@ -220,7 +309,12 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
         )
         epsilon = _spend_dp(round_) if "dp" in round_.params else None
         Round.objects.filter(pk=round_.pk).update(
-            state=Round.State.COMPLETED, completed_at=timezone.now(), stats=stats, epsilon=epsilon, failure=""
+            state=Round.State.COMPLETED,
+            completed_at=now,
+            aggregated_at=now,
+            stats=stats,
+            epsilon=epsilon,
+            failure="",
         )
         _record("round.completed", actor=None, adapter=round_.adapter, version=version, round=round_.pk, **stats)
         round_.refresh_from_db()

@@ -21,6 +21,7 @@ AGGREGATION_DEFAULTS: dict[str, Any] = {
     "multi_k": None,
     "mixing": None,  # null: the strategy's own (MIXING_DEFAULTS); "nnm": nearest-neighbour mixing first; "none": off
     "shard_size": 64,  # deltas per Celery shard for shardable strategies
+    "coordinate_shards": 4,  # robust rules over more than shard_size deltas: coordinate spans, one Celery task each
     "auto_rounds": True,  # open a round when a delta is accepted and none is collecting
     "ffa": False,  # FFA-LoRA: deltas carry only lora_B (and saved modules)
     "auto_release": False,  # release each round's version and roll it out to the adapter's cohorts at once
@@ -36,7 +37,7 @@ DP_DEFAULTS: dict[str, Any] = {
 }
 
 ROBUST = ("trimmed_mean", "median", "krum", "multi_krum")  # the strategies mixing applies to
-STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "mixing", "shard_size")
+STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "mixing", "shard_size", "coordinate_shards")
 # Nearest-neighbour mixing unless an operator says "none": Krum keeps one delta per round, and bare, on devices
 # whose data differ, it learns far less than the mean; mixed, it keeps up (bench/README.md, "poisoning.py").
 # The others are better bare, or only as good, so theirs is off.
@@ -78,7 +79,7 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     merged = {**AGGREGATION_DEFAULTS, **values}
     if merged["strategy"] not in STRATEGIES:
         raise ValueError(f"unknown strategy {merged['strategy']!r}: use one of {sorted(STRATEGIES)}")
-    for name in ("buffer_size", "min_deltas", "round_timeout_seconds", "shard_size"):
+    for name in ("buffer_size", "min_deltas", "round_timeout_seconds", "shard_size", "coordinate_shards"):
         if not isinstance(merged[name], int) or isinstance(merged[name], bool) or merged[name] < 1:
             raise ValueError(f"{name} must be a positive whole number")
     if (

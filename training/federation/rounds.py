@@ -268,11 +268,12 @@ def round_close(*, round_: Round, actor) -> Round:
 
 @transaction.atomic
 def round_rerun(*, round_: Round, actor) -> Round:
-    """Run a failed round's aggregation again, on the same deltas."""
+    """Run a failed round's aggregation again, on the same deltas. Its times (``Round.aggregation_seconds``,
+    ``release_seconds``) count from now on: not the time it sat failed."""
     locked = Round.objects.select_for_update(no_key=True).get(pk=round_.pk)
     if locked.state != Round.State.FAILED:
         raise Conflict("invalid_transition", f"only a failed round runs again; this one is {locked.state}")
-    Round.objects.filter(pk=locked.pk).update(state=Round.State.AGGREGATING, failure="")
+    Round.objects.filter(pk=locked.pk).update(state=Round.State.AGGREGATING, failure="", reran_at=timezone.now())
     _record("round.rerun", actor=actor, adapter=locked.adapter, round=locked.pk)
     transaction.on_commit(lambda: dispatch.aggregate_round(locked.pk))
     locked.refresh_from_db()

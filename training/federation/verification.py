@@ -9,29 +9,31 @@ changes nothing the second time: only a ``received`` delta is verified.
 
 from __future__ import annotations
 
-import json
+import hashlib
 import math
-import struct
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import BinaryIO
 
-import torch
+import numpy as np
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Exists, OuterRef, Subquery
 from django.utils import timezone
-from safetensors.torch import load as load_safetensors
+from safetensors import safe_open
 
 from core.queries import only_row
 from devices.models import DeviceStatus
-from edge_agent.delta import ENCODINGS, decode_tensor, read_encoding
+from edge_agent.delta import ENCODINGS, read_encoding
 from edge_agent.protocol import public_key_from_b64, verify
 from training.federation.aggregation_settings import aggregation_settings
 from training.federation.events import announce_delta
 from training.federation.rounds import round_admit, round_admit_many
 from training.models import Adapter, AdapterVersion, Delta
-from training.registry.artifacts import ArtifactRejected, check_spec, read_header
-from training.registry.blobs import blob_read
+from training.registry.artifacts import ArtifactRejected, check_spec, data_layout, header_length, parse_header
+from training.registry.blobs import CHUNK, blob_open, blob_path
 
 
 @dataclass(frozen=True)
@@ -52,21 +54,13 @@ def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
     }
 
 
-def _metadata(data: bytes) -> dict:
-    (header_size,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__") or {}
-    return metadata if isinstance(metadata, dict) else {}
-
-
-def _check_bytes(delta: Delta) -> bytes:
+def _check_bytes(delta: Delta) -> None:
+    """What the row says of the bytes, before any is read; that the stored bytes are the signed ones (their
+    size and sha256) is checked while ``_check_contents`` reads them."""
     if delta.size > settings.DELTA_MAX_BYTES:
         raise Rejection("too_large", f"the delta is {delta.size} bytes; the limit is {settings.DELTA_MAX_BYTES}")
     if delta.blob_sha256 != delta.sha256:
         raise Rejection("hash_mismatch", "the stored bytes do not hash to the signed sha256")
-    data = blob_read(delta.blob_sha256)
-    if len(data) != delta.size:
-        raise Rejection("hash_mismatch", f"{len(data)} bytes stored, the envelope says {delta.size}")
-    return data
 
 
 def _memoized(memo: dict | None, key: tuple, load):
@@ -136,12 +130,152 @@ def _check_base(delta: Delta, adapter: Adapter, memo: dict | None = None) -> Ada
     return base
 
 
-def _check_contents(delta: Delta, adapter: Adapter, data: bytes) -> tuple[str, float]:
+# --- the contents: one pass over the stored file ---------------------------------------------------------
+
+DECODE_SLICE = 1 << 18  # values decoded at a time: at most 2 MiB of float64 squares, whatever the tensor's size
+_STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
+
+
+class _ShortFile(Exception):
+    """The stored file ended before the bytes its signed size promises (the size check then says so)."""
+
+
+class _Stream:
+    """The stored file read once, front to back, CHUNK bytes at a time, each read hashed and counted."""
+
+    def __init__(self, handle: BinaryIO):
+        self.handle = handle
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.pending = b""  # read and hashed, not yet taken
+
+    def _read(self) -> bytes:
+        chunk = self.handle.read(CHUNK)
+        if chunk:
+            self.digest.update(chunk)
+            self.size += len(chunk)
+        return chunk
+
+    def take(self, count: int) -> bytes:
+        """The next ``count`` bytes (the framing and the header: at most MAX_HEADER_BYTES + 8)."""
+        parts, have = [self.pending], len(self.pending)
+        while have < count and (chunk := self._read()):
+            parts.append(chunk)
+            have += len(chunk)
+        if have < count:
+            raise _ShortFile
+        data = b"".join(parts) if len(parts) > 1 else parts[0]
+        self.pending = data[count:]
+        return data[:count]
+
+    def rest(self) -> Iterator[memoryview]:
+        """The bytes after those taken, a chunk at a time."""
+        if self.pending:
+            yield memoryview(self.pending)
+            self.pending = b""
+        while chunk := self._read():
+            yield memoryview(chunk)
+
+
+class _Values:
+    """The data section's values as its bytes stream past (tensors in the order they lie, ``layout``): each
+    decoded to float32 as ``edge_agent.delta.decode_tensor`` does (int8 times its tensor's scale, in float32),
+    checked finite, and its square summed in float64. Holds a few bytes of a value split between two reads and
+    at most DECODE_SLICE values decoded at a time."""
+
+    def __init__(self, layout: list[tuple[str, int, int]], encoding: str, scales: dict[str, float]):
+        self.layout = layout
+        self.stored = _STORED[ENCODINGS[encoding]]
+        self.width = self.stored.itemsize
+        with np.errstate(over="ignore"):  # a scale past float32's range is inf, as in torch: not finite
+            self.scales = {name: np.float32(scale) for name, scale in scales.items()} if encoding == "int8" else {}
+        self.index = 0  # the tensor the next byte belongs to
+        self.done = 0  # its bytes seen so far
+        self.carry = b""  # the start of a value split between two reads
+        self.squares = 0.0
+
+    def feed(self, view: memoryview) -> None:
+        while len(view) and self.index < len(self.layout):
+            name, start, end = self.layout[self.index]
+            part = view[: end - start - self.done]
+            view = view[len(part) :]
+            self._bytes(name, part)
+            self.done += len(part)
+            if self.done == end - start:
+                self.index, self.done = self.index + 1, 0
+
+    def _bytes(self, name: str, part: memoryview) -> None:
+        if self.carry:
+            head = self.carry + bytes(part[: self.width - len(self.carry)])
+            part = part[self.width - len(self.carry) :]
+            if len(head) < self.width:
+                self.carry = head
+                return
+            self.carry = b""
+            self._sum(name, head)
+        whole = len(part) - len(part) % self.width
+        if whole:
+            self._sum(name, part[:whole])
+        if whole < len(part):
+            self.carry = bytes(part[whole:])
+
+    def _sum(self, name: str, data) -> None:
+        values = np.frombuffer(data, dtype=self.stored)
+        scale = self.scales.get(name)
+        for at in range(0, len(values), DECODE_SLICE):
+            part = values[at : at + DECODE_SLICE]
+            with np.errstate(all="ignore"):  # NaN and overflow are found below, not warned about
+                if scale is not None:
+                    part = part.astype(np.float32) * scale
+                wide = part.astype(np.float64)
+                # A sum of squares of float32 values in float64 is finite exactly when every value is. einsum:
+                # one thread (np.dot hands a slice this size to BLAS threads, which contend with other workers).
+                squares = float(np.einsum("i,i->", wide, wide))
+            if not math.isfinite(squares):
+                raise Rejection("not_finite", f"tensor {name!r} holds NaN or infinite values")
+            self.squares += squares
+
+
+def _library_message(exc: Exception) -> str:
+    """The safetensors library's refusal as ``safetensors.torch.load`` words it (``safe_open`` reads the same
+    header with the same checks and words it "Error while deserializing header: ...")."""
+    text = str(exc)
+    prefix = "Error while deserializing header: "
+    return "Error while deserializing: " + text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def _library_check(path: str | None, head: bytes, size: int) -> None:
+    """What the safetensors library refuses in the header that ``parse_header`` lets through (a metadata value
+    that is not a string, a gap between tensors, JSON Python reads and serde does not), found by its own header
+    check: ``safe_open`` on the stored file (``path``) maps it and reads only the header; without a local file
+    (S3), on a sparse temporary file of the same size holding only the header (``head``, the framing included).
+    Nothing else of the file is read."""
     try:
-        header = read_header(data)
-        encoding, scales = read_encoding(_metadata(data))
+        if path is not None:
+            with safe_open(path, framework="np"):
+                return
+        with tempfile.NamedTemporaryFile(prefix="delta-header-", suffix=".safetensors") as sparse:
+            sparse.write(head)
+            sparse.truncate(size)
+            sparse.flush()
+            with safe_open(sparse.name, framework="np"):
+                return
+    except Exception as exc:
+        raise Rejection("malformed", f"safetensors could not read the file: {_library_message(exc)}") from None
+
+
+def _read_contents(stream: _Stream, size: int, adapter: Adapter, path: str | None) -> tuple[str, float]:
+    """The checks on the file's bytes, in the documented order, as the stream passes: the framing and the
+    header (limits, JSON, no key twice, entries, offsets), the encoding, the adapter's spec, the int8 scales,
+    the library's own header check, then the data: finite values and the norm bound."""
+    prefix = stream.take(min(size, 8))
+    try:
+        header_size = header_length(prefix, size)
+        head = prefix + stream.take(header_size)
+        header, metadata = parse_header(head[8:], size - 8 - header_size)
+        encoding, scales = read_encoding(metadata if metadata and isinstance(metadata, dict) else {})
     except ArtifactRejected as exc:
-        code = "header_too_large" if exc.code == "header_too_large" else "malformed"
+        code = exc.code if exc.code in ("header_too_large", "duplicate_tensor") else "malformed"
         raise Rejection(code, str(exc)) from None
     except ValueError as exc:
         raise Rejection("malformed", str(exc)) from None
@@ -151,21 +285,54 @@ def _check_contents(delta: Delta, adapter: Adapter, data: bytes) -> tuple[str, f
         raise Rejection("spec_mismatch", str(exc)) from None
     if encoding == "int8" and set(scales) != set(header):
         raise Rejection("malformed", "an int8 delta needs one scale per tensor")
+    _library_check(path, head, size)
     try:
-        tensors = load_safetensors(data)
-    except Exception as exc:
-        raise Rejection("malformed", f"safetensors could not read the file: {exc}") from None
-    squares = 0.0
-    for name, raw in tensors.items():
-        value = decode_tensor(raw, encoding=encoding, scale=scales.get(name))
-        if not bool(torch.isfinite(value).all()):
-            raise Rejection("not_finite", f"tensor {name!r} holds NaN or infinite values")
-        squares += float(value.double().square().sum())
-    norm = math.sqrt(squares)
+        layout = data_layout(header, size - 8 - header_size)
+    except ArtifactRejected as exc:
+        raise Rejection("malformed", str(exc)) from None
+    values = _Values(layout, encoding, scales)
+    for chunk in stream.rest():
+        values.feed(chunk)
+    norm = math.sqrt(values.squares)
     bound = aggregation_settings(adapter)["max_norm"]
     if bound is not None and norm > bound:
         raise Rejection("norm_too_large", f"the update's L2 norm is {norm:.4g}; the adapter's bound is {bound:.4g}")
     return encoding, norm
+
+
+def contents_check(
+    handle: BinaryIO, *, size: int, sha256: str, adapter: Adapter, path: str | None = None
+) -> tuple[str, float]:
+    """Check a delta file's contents against ``adapter`` in one pass over ``handle`` (its stored bytes, read in
+    CHUNK reads; ``path``: the same file on local disk, if it is there): ``(encoding, L2 norm)``, or the first
+    failed check as a ``Rejection``. The bytes are hashed and counted on the way; if they are not the ``size``
+    bytes of ``sha256`` the signature covers, that is the answer (``hash_mismatch``, before any finding on the
+    contents, which are then not the signed file's). Memory, whatever the file's size: the header (at most 1 MiB),
+    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (at most 3 MiB)."""
+    stream = _Stream(handle)
+    found: Rejection | None = None
+    try:
+        encoding, norm = _read_contents(stream, size, adapter, path)
+    except Rejection as rejection:
+        found = rejection
+    except _ShortFile:
+        pass  # the size check below tells
+    for _ in stream.rest():  # the rest of a refused file, for its hash
+        pass
+    if stream.size != size:
+        raise Rejection("hash_mismatch", f"{stream.size} bytes stored, the envelope says {size}")
+    if stream.digest.hexdigest() != sha256:
+        raise Rejection("hash_mismatch", "the stored bytes do not hash to the signed sha256")
+    if found is not None:
+        raise found
+    return encoding, norm
+
+
+def _check_contents(delta: Delta, adapter: Adapter) -> tuple[str, float]:
+    with blob_open(delta.blob_sha256) as handle:
+        return contents_check(
+            handle, size=delta.size, sha256=delta.sha256, adapter=adapter, path=blob_path(delta.blob_sha256)
+        )
 
 
 def delta_verify(*, delta_id: int) -> Delta | None:
@@ -238,15 +405,18 @@ def delta_judge(delta: Delta, memo: dict | None = None) -> Verdict:
     looked up for the first of them (a batch takes a fraction of a second: a setting or version that changes
     meanwhile counts from the next batch)."""
     try:
-        data = _check_bytes(delta)
+        _check_bytes(delta)
         adapter = _check_device(delta, memo)
     except Rejection as rejection:
         return Verdict(Delta.State.REJECTED, rejection.code, rejection.detail)
     try:
         _check_base(delta, adapter, memo)
-        encoding, norm = _check_contents(delta, adapter, data)
+        encoding, norm = _check_contents(delta, adapter)
     except Rejection as rejection:
-        return Verdict(Delta.State.REJECTED, rejection.code, rejection.detail, claim_counter=True)
+        # Stored bytes that are not the signed ones (found while reading them) are not the device's doing: they
+        # claim no counter, as at the door.
+        claim = rejection.code != "hash_mismatch"
+        return Verdict(Delta.State.REJECTED, rejection.code, rejection.detail, claim_counter=claim)
     return Verdict(Delta.State.ACCEPTED, claim_counter=True, encoding=encoding, norm=norm)
 
 

@@ -1,5 +1,6 @@
 """Checking safetensors files before anything trusts them: header within limits, exact tensor spec,
-finite values. Used for imported adapter versions, uploaded base weights and (later) device deltas.
+finite values. Used for imported adapter versions, uploaded base weights and device deltas (whose header
+``training.federation.verification`` reads from a stream: ``header_length``, ``parse_header``, ``data_layout``).
 
 The header is parsed by hand first, so a hostile file (a header bomb, overlapping or out-of-range
 offsets, unknown dtypes) is refused before any library allocates tensors for it.
@@ -10,9 +11,12 @@ from __future__ import annotations
 import json
 import math
 import struct
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
+
+from edge_agent.safetensors_header import loads_noting_repeats, repeat_refusal
 
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 10_000
@@ -27,27 +31,36 @@ class ArtifactRejected(ValueError):
         self.code = code
 
 
-def read_header(data: bytes) -> dict[str, dict]:
-    """Validate the safetensors framing and return ``{name: {dtype, shape, data_offsets}}``."""
-    if len(data) < 8:
+def header_length(prefix: bytes, size: int) -> int:
+    """The header's length, from a file's first 8 bytes (``prefix``) and its ``size`` in bytes, once the framing
+    holds: 8 bytes of length, a header within the file and within ``MAX_HEADER_BYTES``."""
+    if size < 8:
         raise ArtifactRejected("malformed", "the file is shorter than a safetensors header")
-    (header_size,) = struct.unpack("<Q", data[:8])
-    if 8 + header_size > len(data):
+    (header_size,) = struct.unpack("<Q", prefix[:8])
+    if 8 + header_size > size:
         raise ArtifactRejected("malformed", "the header runs past the end of the file")
     if header_size > MAX_HEADER_BYTES:
         raise ArtifactRejected("header_too_large", f"the header is {header_size} bytes (limit {MAX_HEADER_BYTES})")
+    return header_size
+
+
+def parse_header(raw: bytes, body: int) -> tuple[dict[str, dict], Any]:
+    """The header's JSON (``raw``, within limits: ``header_length``) of a file whose data section is ``body``
+    bytes: ``({name: {dtype, shape, data_offsets}}, the "__metadata__" value or None)``. A key named twice is
+    refused (``edge_agent.safetensors_header``): a tensor as ``duplicate_tensor``, any other as ``malformed``."""
     try:
-        header = json.loads(data[8 : 8 + header_size])
+        header, repeats = loads_noting_repeats(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ArtifactRejected("malformed", "the header is not valid JSON") from None
     except RecursionError:  # deeply nested arrays or objects exhaust the parser before they are found invalid
         raise ArtifactRejected("malformed", "the header nests too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise ArtifactRejected("malformed", "the header is not a JSON object")
-    header.pop("__metadata__", None)
+    if refusal := repeat_refusal(repeats):
+        raise ArtifactRejected(*refusal)
+    metadata = header.pop("__metadata__", None)
     if len(header) > MAX_TENSORS:
         raise ArtifactRejected("malformed", f"{len(header)} tensors (limit {MAX_TENSORS})")
-    body = len(data) - 8 - header_size
     spans = []
     for name, entry in header.items():
         if not isinstance(entry, dict):
@@ -67,7 +80,28 @@ def read_header(data: bytes) -> dict[str, dict]:
     for (_, previous_end), (start, _) in zip(spans, spans[1:], strict=False):
         if start < previous_end:
             raise ArtifactRejected("malformed", "tensor data regions overlap")
-    return header
+    return header, metadata
+
+
+def read_header(data: bytes) -> dict[str, dict]:
+    """Validate the safetensors framing and return ``{name: {dtype, shape, data_offsets}}``."""
+    header_size = header_length(data[:8], len(data))
+    return parse_header(data[8 : 8 + header_size], len(data) - 8 - header_size)[0]
+
+
+def data_layout(header: dict[str, dict], body: int) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` of each tensor in the order its bytes lie in the data section, once they cover
+    the section's ``body`` bytes exactly: the first at 0, each where the one before ended, the last at the end
+    (``parse_header`` checked each in bounds and none overlapping; safetensors also wants no gap)."""
+    spans = sorted((entry["data_offsets"][0], entry["data_offsets"][1], name) for name, entry in header.items())
+    at = 0
+    for start, end, name in spans:
+        if start != at:
+            raise ArtifactRejected("malformed", f"tensor {name!r}: its data does not start where the one before ends")
+        at = end
+    if at != body:
+        raise ArtifactRejected("malformed", f"the tensors cover {at} of the data section's {body} bytes")
+    return [(name, start, end) for start, end, name in spans]
 
 
 def check_spec(header: dict[str, dict], spec: dict[str, dict]) -> None:

@@ -64,6 +64,14 @@ def blob_open(sha256: str):
     return _storage().open(blob_name(sha256), "rb")
 
 
+def blob_path(sha256: str) -> str | None:
+    """The blob's local file path when the storage has one (the filesystem), else None (S3)."""
+    try:
+        return _storage().path(blob_name(sha256))
+    except NotImplementedError:
+        return None
+
+
 def blob_read(sha256: str) -> bytes:
     with blob_open(sha256) as handle:
         return handle.read()
@@ -74,16 +82,11 @@ def blob_local_path(sha256: str) -> Iterator[str]:
     """A local file path holding the blob, for readers that need one (``safetensors.safe_open`` maps it).
 
     The filesystem storage gives its own path; other storages (S3) are copied to a temporary file first."""
-    storage = _storage()
-    name = blob_name(sha256)
-    try:
-        local = storage.path(name)
-    except NotImplementedError:
-        local = None
+    local = blob_path(sha256)
     if local is not None:
         yield local
         return
-    with tempfile.NamedTemporaryFile(prefix="blob-", suffix=".safetensors") as copy, storage.open(name, "rb") as src:
+    with tempfile.NamedTemporaryFile(prefix="blob-", suffix=".safetensors") as copy, blob_open(sha256) as src:
         while chunk := src.read(CHUNK):
             copy.write(chunk)
         copy.flush()

@@ -14,14 +14,15 @@ import uuid
 from datetime import timedelta
 
 from django.db import transaction
-from django.db.models import Count, Q
+from django.db.models import Count, F, Q, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from core.errors import Conflict, Invalid, NotFound
 from core.live import LiveEvent, publish
 from devices.models import Device, DeviceStatus
 from devices.push import device_command
-from training.models import AdapterVersion, Assignment, Rollout, TrainingEvent
+from training.models import AdapterVersion, Assignment, Rollout, Round, TrainingEvent
 from training.rollouts.progress import ACTIVE, completion_reason, device_counts, waiting_reason
 
 REPORTABLE_METRICS = 32
@@ -153,8 +154,25 @@ def rollout_start(*, rollout: Rollout, actor) -> Rollout:
     now = timezone.now()
     _set_state(rollout, Rollout.State.RUNNING, started_at=now, phase_started_at=now, current_phase=0)
     count = _assign_phase(rollout)
+    _round_released(rollout.version, now)
     _record("rollout.started", rollout, actor, assigned=count)
     return rollout
+
+
+def _round_released(version: AdapterVersion, now) -> None:
+    """The round that made ``version`` is released now, if this is the first rollout of it to start.
+
+    "Released" is the start of its first rollout (auto-release's, or an operator's): the moment devices are
+    assigned the version and it begins to reach them. Not the rollout's creation (a draft assigns nothing), nor the
+    version's state turning ``released`` (a label: no device gets anything), nor the rollout's completion (that
+    waits on devices coming online, not on the server). Later rollouts of the same version change nothing. Only a
+    round whose aggregation time is known gets one (``Round.aggregated_at``), never before it whatever the hosts'
+    clocks say."""
+    if version.round_id is None:
+        return
+    Round.objects.filter(pk=version.round_id, aggregated_at__isnull=False, released_at__isnull=True).update(
+        released_at=Greatest(Value(now), F("aggregated_at"))
+    )
 
 
 def _phase_devices(rollout: Rollout, phase: int) -> list[Device]:

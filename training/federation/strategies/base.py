@@ -158,15 +158,20 @@ def open_delta(inp: DeltaInput, index: int) -> Iterator[DeltaReader]:
 ShapeCheck = Callable[[str, Shape, Shape], bool]
 
 
+def check_keys(label: str, present, shapes: dict[str, Shape]) -> None:
+    """No key outside the spec, and every key of it (but an FFA-layout lora_A) there."""
+    unknown = sorted(set(present) - set(shapes))
+    if unknown:
+        raise ValueError(f"{label} holds keys the adapter does not have: {unknown[:3]}")
+    missing = [key for key in shapes if key not in present and not is_lora_a(key)]
+    if missing:
+        raise ValueError(f"{label} lacks {len(missing)} required key(s), e.g. {missing[:3]}")
+
+
 def check_header(reader: DeltaReader, shapes: dict[str, Shape], shape_ok: ShapeCheck | None = None) -> dict:
     """The delta's shapes by key, after checking its keys, dtypes, scales and shapes against the spec."""
     present = reader.names()
-    unknown = sorted(set(present) - set(shapes))
-    if unknown:
-        raise ValueError(f"{reader.label} holds keys the adapter does not have: {unknown[:3]}")
-    missing = [key for key in shapes if key not in present and not is_lora_a(key)]
-    if missing:
-        raise ValueError(f"{reader.label} lacks {len(missing)} required key(s), e.g. {missing[:3]}")
+    check_keys(reader.label, present, shapes)
     found = {}
     for key in present:
         shape = reader.shape(key)
@@ -252,6 +257,12 @@ def _whole(minimum):
 PARAMS: dict[str, tuple] = {
     "shard_size": (64, _whole(1), "a whole number >= 1"),
     "chunk_elements": (1 << 20, _whole(1), "a whole number >= 1"),
+    # Working memory of the robust rules' coordinate blocks, in bytes (the server passes its
+    # AGGREGATION_MEMORY_BUDGET_MB); blocks shrink as N grows, so memory stays flat in N.
+    "memory_budget": (512 << 20, _whole(1 << 20), "a whole number of bytes >= 1 MiB"),
+    # The robust rules' coordinate spans: the tasks of a chord across workers, and the order one worker adds
+    # their Gram matrices in (so both give the same bytes).
+    "coordinate_shards": (4, _whole(1), "a whole number >= 1"),
     "clip_norm": (None, lambda v: v is None or (_is_real(v) and v > 0), "a positive finite number or null"),
     "trim_ratio": (0.1, lambda v: _is_real(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
     "byzantine": (None, lambda v: v is None or _whole(0)(v), "a whole number >= 0 or null"),
@@ -264,7 +275,8 @@ class Strategy:
     """One aggregation rule. ``aggregate`` returns the aggregated delta (float32, every spec key)."""
 
     name: str = ""
-    shardable: bool = False
+    shardable: bool = False  # by deltas: ``partial`` of shards of deltas, ``combine``d
+    shardable_by_coordinates: bool = False  # by coordinate spans (the robust rules)
     supports_dp: bool = False
 
     def check_params(self, params: dict | None) -> dict:

@@ -19,12 +19,11 @@ from .base import (
     check_headers,
     check_inputs,
     check_spec,
-    clip_factors,
     is_lora_a,
     shards,
-    weighted_sum,
 )
 from .dp import add_gaussian_noise, parse_dp
+from .flat import flat_clip_factors, flat_weighted_sum, open_flat
 
 
 class MeanStrategy(Strategy):
@@ -45,21 +44,25 @@ class MeanStrategy(Strategy):
     def check_extra(self, reader) -> None:
         pass
 
+    def check_extra_all(self, inputs, shapes) -> None:
+        """More checks a strategy makes on every delta (``check_extra`` on each, one file open at a time)."""
+
     def partial(self, inputs, *, spec, base, params) -> tuple[dict[str, torch.Tensor], float]:
         """``(weighted sum in float64 per summed key, total weight)`` of one shard."""
         params = self.check_params(params)
         shapes = check_spec(spec)
         inputs = check_inputs(inputs)
         dp = parse_dp(params.get("dp"))
-        found = check_headers(inputs, shapes, extra=self.check_extra)
-        keys = [key for key in self.summed_keys(shapes) if any(key in present for present in found)]
+        order, deltas = open_flat(inputs, shapes)
+        self.check_extra_all(inputs, shapes)
+        keys = [key for key in self.summed_keys(shapes) if any(key in delta.shapes for delta in deltas)]
         clip = params["clip_norm"]
         if dp is not None:
             clip = dp.clip if clip is None else min(clip, dp.clip)
-        factors = clip_factors(inputs, clip, recompute=dp is not None)
+        factors = flat_clip_factors(inputs, deltas, clip, recompute=dp is not None)
         weights = [self.dp_weight(inp) if dp is not None else self.weight(inp) for inp in inputs]
-        sums = weighted_sum(inputs, [w * c for w, c in zip(weights, factors, strict=True)], shapes, keys)
-        return sums, math.fsum(weights)
+        flat = torch.from_numpy(flat_weighted_sum(deltas, [w * c for w, c in zip(weights, factors, strict=True)]))
+        return order.split(flat, keys), math.fsum(weights)
 
     def combine(self, partials, *, spec, base, params) -> dict[str, torch.Tensor]:
         """The aggregated delta from shard partials (a list, or any iterable), added in the order given."""
@@ -141,6 +144,9 @@ class FfaLora(MeanStrategy):
 
     def summed_keys(self, shapes: dict) -> list[str]:
         return [key for key in shapes if not is_lora_a(key)]
+
+    def check_extra_all(self, inputs, shapes) -> None:
+        check_headers(inputs, shapes, extra=self.check_extra)
 
     def check_extra(self, reader) -> None:
         for key in reader.names():

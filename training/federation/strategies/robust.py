@@ -1,10 +1,12 @@
 """Robust aggregation: coordinate-wise trimmed mean and median, Krum and Multi-Krum.
 
-All four read the deltas in coordinate chunks: a chunk is a run of row ranges (along each tensor's first
-dimension, read lazily with ``safe_open(...).get_slice(key)[a:b]``) holding at most ``chunk_elements``
-coordinates (one row may exceed it when a single row is larger). For each chunk every delta is opened in
-turn, its rows read and the file closed again, so working memory is O(N x chunk) plus O(model) for the
-result, never N whole deltas. Clipping (``clip_norm``) scales each delta's rows by ``min(1, C / norm)``.
+All four read the deltas in blocks of coordinates (``strategies.flat``: the round's coordinate order, one
+``pread`` per delta and block): a block holds as many coordinates as ``memory_budget`` allows for N deltas
+(at most ``chunk_elements``), so working memory stays within the budget whatever N is, plus O(model) for the
+result, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by ``min(1, C / norm)``.
+The coordinate rules select, they do not sort: each coordinate's N values are laid side by side and the
+median found by one in-place partition (the trimmed mean sorts, as it sums the middle); Krum's Gram matrix is
+float32 matrix products of short blocks, added up in float64.
 
 They are unweighted on purpose: ``num_samples`` is reported by the device itself, so weighting by it would
 let one attacker claiming a huge sample count outweigh everyone and void the breakdown point these rules
@@ -21,7 +23,7 @@ with one attacker is still mixed. Past f attackers it shields nothing and can do
 (bench/README.md). An adapter's ``krum`` mixes unless told not to
 (``MIXING_DEFAULTS`` in ``training/federation/aggregation_settings.py``); here, as for the others, it is off unless
 ``params`` say ``"nnm"``. It costs a second pass over the deltas for their Gram matrix and O(N^2) float64 beside
-the O(N x chunk) working memory; Krum needs the Gram matrix anyway and mixes it without reading the deltas
+the working memory; Krum needs the Gram matrix anyway and mixes it without reading the deltas
 again.
 
 Krum's guarantee needs N >= 2f + 3. Rather than refuse small rounds, f (``byzantine``, default
@@ -33,90 +35,23 @@ earlier input. Median is the statistical one: for an even N the mean of the two 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .base import Strategy, check_headers, check_inputs, check_spec, clip_factors, open_delta, weighted_sum
+from .base import Strategy, check_inputs, check_spec
+from .flat import CoordinateOrder, FlatDelta, block_columns, flat_clip_factors, flat_weighted_sum, open_flat
 
 
-@dataclass(frozen=True)
-class Segment:
-    key: str
-    start: int  # first row (a 0-d tensor is one row)
-    stop: int
-    offset: int  # position of row ``start`` in the flattened tensor
-    size: int  # coordinates
-
-
-def chunk_plan(shapes: dict[str, tuple[int, ...]], chunk_elements: int) -> list[list[Segment]]:
-    """The model's coordinates cut into chunks of at most ``chunk_elements`` (whole rows, small tensors
-    packed together), in spec order."""
-    chunks: list[list[Segment]] = []
-    current: list[Segment] = []
-    filled = 0
-    for key, shape in shapes.items():
-        numel = math.prod(shape)
-        if numel == 0:
-            continue
-        rows = shape[0] if shape else 1
-        row = numel // rows
-        start = 0
-        while start < rows:
-            take = min(rows - start, (chunk_elements - filled) // row)
-            if take == 0 and current:
-                chunks.append(current)
-                current, filled = [], 0
-                continue
-            take = max(take, 1)
-            current.append(Segment(key, start, start + take, start * row, take * row))
-            filled += take * row
-            start += take
-            if filled >= chunk_elements:
-                chunks.append(current)
-                current, filled = [], 0
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def gather(inputs, segments: list[Segment], factors: list[float]) -> torch.Tensor:
-    """The chunk's coordinates of every delta, clipped: float32 [N, chunk size]. A key a delta lacks (an
-    FFA-layout lora_A) reads as zeros."""
-    size = sum(segment.size for segment in segments)
-    out = torch.empty(len(inputs), size, dtype=torch.float32)
-    for index, inp in enumerate(inputs):
-        with open_delta(inp, index) as reader:
-            present = set(reader.names())
-            position = 0
-            for segment in segments:
-                target = out[index, position : position + segment.size]
-                if segment.key in present:
-                    target.copy_(reader.read_rows(segment.key, segment.start, segment.stop))
-                else:
-                    target.zero_()
-                position += segment.size
+def gather(deltas: list[FlatDelta], start: int, stop: int, factors: list[float], out: np.ndarray) -> np.ndarray:
+    """Coordinates ``start:stop`` of every delta, clipped, into the rows of ``out``: float32 [N, stop - start]
+    (one ``pread`` per delta when its tensors lie in the round's order). A key a delta lacks reads as zeros."""
+    block = out[:, : stop - start]
+    for index, delta in enumerate(deltas):
+        delta.read(start, stop, block[index])
         if factors[index] != 1.0:
-            out[index].mul_(factors[index])
-    return out
-
-
-# Sorting and the float64 Gram product make temporaries several times the chunk's size (sort returns int64
-# indices too), so they run over blocks of this many columns of the [N, chunk] matrix at a time.
-BLOCK = 1 << 16
-
-
-def blocks(stacked: torch.Tensor):
-    for start in range(0, stacked.shape[1], BLOCK):
-        yield stacked[:, start : start + BLOCK]
-
-
-def scatter(result: dict[str, torch.Tensor], segments: list[Segment], values: torch.Tensor) -> None:
-    position = 0
-    for segment in segments:
-        flat = result[segment.key].view(-1)
-        flat[segment.offset : segment.offset + segment.size] = values[position : position + segment.size]
-        position += segment.size
+            block[index] *= np.float32(factors[index])
+    return block
 
 
 def squared_distances(gram: torch.Tensor) -> torch.Tensor:
@@ -143,51 +78,138 @@ def mixing_matrix(distances: torch.Tensor, f: int) -> torch.Tensor:
     return torch.zeros(n, n, dtype=torch.float64).scatter_(1, nearest, 1.0 / keep)
 
 
+def coordinate_spans(total: int, count: int) -> list[tuple[int, int]]:
+    """``count`` consecutive ranges of about equal size covering ``total`` coordinates (fewer when there are
+    fewer coordinates): the unit of work a robust rule splits into, on one worker or across a chord."""
+    count = max(1, min(count, total))
+    edges = [total * i // count for i in range(count + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(count)]
+
+
 class RobustStrategy(Strategy):
+    """The robust rules work span by span (``coordinate_spans`` of ``coordinate_shards``): a span's Gram
+    matrix (added up across spans in span order) and, for the coordinate rules, a span's values. ``aggregate``
+    runs the spans in order on one worker; the server's chord runs one span per task and combines them in
+    the same order, so both give the same bytes."""
+
+    shardable_by_coordinates = True
+    # Bytes per delta and coordinate a block needs: the gathered float32 block and its transposed copy (the
+    # coordinate rules), a block's float64 copy and product (mixing).
+    BLOCK_BYTES = 8
+    MIXING_BLOCK_BYTES = 24
+
     def prepare(self, inputs, spec, params):
         params = self.check_params(params)
         shapes = check_spec(spec)
         inputs = check_inputs(inputs)
-        check_headers(inputs, shapes)
-        return params, shapes, inputs, clip_factors(inputs, params["clip_norm"])
+        order, deltas = open_flat(inputs, shapes)
+        return params, order, inputs, deltas, flat_clip_factors(inputs, deltas, params["clip_norm"])
 
-    def chunks(self, inputs, shapes, factors, chunk_elements):
-        for segments in chunk_plan(shapes, chunk_elements):
-            yield segments, gather(inputs, segments, factors)
+    def spans(self, inputs, *, spec, params) -> list[tuple[int, int]]:
+        """The coordinate spans of this round (from the spec's size and ``coordinate_shards``)."""
+        params = self.check_params(params)
+        total = sum(math.prod(shape) for shape in check_spec(spec).values())
+        return coordinate_spans(total, params["coordinate_shards"])
 
-    def gram(self, inputs, shapes, factors, chunk_elements) -> torch.Tensor:
-        """The clipped deltas' Gram matrix, accumulated over coordinate chunks in float64 (O(N^2) memory)."""
-        n = len(inputs)
+    def columns(self, n: int, params: dict, bytes_per_value: int) -> int:
+        """Coordinates per block: what the memory budget holds for N deltas, at most ``chunk_elements``."""
+        return max(1, min(params["chunk_elements"], block_columns(n, params["memory_budget"], bytes_per_value)))
+
+    def blocks(self, deltas, factors, span: tuple[int, int], columns: int):
+        """``(start, stop, block)`` over the span's coordinates: block is float32 [N, stop - start], reused."""
+        first, last = span
+        out = np.empty((len(deltas), max(1, min(columns, last - first))), dtype=np.float32)
+        for start in range(first, last, columns):
+            stop = min(last, start + columns)
+            yield start, stop, gather(deltas, start, stop, factors, out)
+
+    def span_gram(self, deltas, factors, params, span) -> torch.Tensor:
+        """The clipped deltas' Gram matrix over one span, of the deltas less their mean (what pairwise distances
+        need, and all they are used for): float32 products of short blocks, added up in float64 (O(N^2))."""
+        n = len(deltas)
         gram = torch.zeros(n, n, dtype=torch.float64)
-        for _, stacked in self.chunks(inputs, shapes, factors, chunk_elements):
-            for block in blocks(stacked):
-                block = block.to(torch.float64)
-                gram.addmm_(block, block.T)
+        columns = min(self.columns(n, params, 4), GRAM_COLUMNS)
+        for _, _, block in self.blocks(deltas, factors, span, columns):
+            values = torch.from_numpy(block)
+            # Centred on the block's mean: distances do not change, and float32 products of what is left lose
+            # far less to cancellation than products of deltas that share a large common part.
+            values = values - values.mean(dim=0, keepdim=True)
+            gram.add_(values @ values.T)
         return gram
+
+    def gram_partial(self, inputs, *, spec, params, span) -> torch.Tensor:
+        """One span's Gram matrix (a chord task's part)."""
+        params, _, inputs, deltas, factors = self.prepare(inputs, spec, params)
+        return self.span_gram(deltas, factors, params, span)
+
+    @staticmethod
+    def combine_grams(parts) -> torch.Tensor:
+        """The whole Gram matrix from the spans' parts, added in span order."""
+        total = None
+        for part in parts:
+            total = part.to(torch.float64).clone() if total is None else total.add_(part.to(torch.float64))
+        if total is None:
+            raise ValueError("no Gram matrix to combine")
+        return total
+
+    def gram(self, deltas, factors, params, spans) -> torch.Tensor:
+        return self.combine_grams(self.span_gram(deltas, factors, params, span) for span in spans)
 
     def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor:
         """The nearest-neighbour mixing matrix for ``mixing: "nnm"`` (f from ``byzantine``)."""
         return mixing_matrix(squared_distances(gram), byzantine_count(params["byzantine"], gram.shape[0], spare=1))
 
+    def needs_gram(self, params) -> bool:
+        return self.check_params(params)["mixing"] == "nnm"
+
+
+# Columns per float32 Gram product: short enough that the float32 dot products stay accurate (they are added
+# up in float64 across blocks), long enough for the matrix product to run at full speed.
+GRAM_COLUMNS = 1 << 14
+
 
 class CoordinateStrategy(RobustStrategy):
-    def reduce(self, stacked: torch.Tensor, params: dict) -> torch.Tensor:
+    def reduce(self, rows: np.ndarray, params: dict) -> np.ndarray:
+        """One value per row of ``rows`` (float32 [coordinates, N], contiguous, reordered in place)."""
         raise NotImplementedError
 
+    def span_values(self, deltas, factors, params, span, mixing=None) -> torch.Tensor:
+        """The rule's result over one span: float32 [span length]."""
+        n = len(deltas)
+        columns = self.columns(n, params, self.MIXING_BLOCK_BYTES if mixing is not None else self.BLOCK_BYTES)
+        result = torch.empty(span[1] - span[0], dtype=torch.float32)
+        rows = torch.empty(max(1, min(columns, span[1] - span[0])), n, dtype=torch.float32)
+        for start, stop, block in self.blocks(deltas, factors, span, columns):
+            values = torch.from_numpy(block)
+            if mixing is not None:
+                values = (mixing @ values.to(torch.float64)).to(torch.float32)
+            transposed = rows[: stop - start]
+            transposed.copy_(values.T)  # a copy into a reused buffer: each coordinate's N values side by side
+            result[start - span[0] : stop - span[0]] = torch.from_numpy(self.reduce(transposed.numpy(), params))
+        return result
+
+    def span_partial(self, inputs, *, spec, params, span, gram=None) -> torch.Tensor:
+        """One span's values (a chord task's part); ``gram``: the whole Gram matrix, when mixing."""
+        params, _, inputs, deltas, factors = self.prepare(inputs, spec, params)
+        mixing = self.mixing(gram, params) if params["mixing"] == "nnm" else None
+        return self.span_values(deltas, factors, params, span, mixing)
+
+    def assemble(self, parts, *, spec, inputs) -> dict[str, torch.Tensor]:
+        """The aggregated delta from the spans' values, in span order."""
+        order = CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path)
+        flat = torch.cat([part.to(torch.float32).reshape(-1) for part in parts])
+        if flat.numel() != order.total:
+            raise ValueError(f"the spans hold {flat.numel()} coordinates, the adapter has {order.total}")
+        return {key: value.clone() for key, value in order.split(flat).items()}
+
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
-        params, shapes, inputs, factors = self.prepare(inputs, spec, params)
+        params, order, inputs, deltas, factors = self.prepare(inputs, spec, params)
+        spans = coordinate_spans(order.total, params["coordinate_shards"])
         mixing = None
         if params["mixing"] == "nnm":
-            mixing = self.mixing(self.gram(inputs, shapes, factors, params["chunk_elements"]), params)
-        result = {key: torch.zeros(shape, dtype=torch.float32) for key, shape in shapes.items()}
-        for segments, stacked in self.chunks(inputs, shapes, factors, params["chunk_elements"]):
-            reduced = []
-            for block in blocks(stacked):
-                if mixing is not None:  # block by block, so the float64 product stays a block's size
-                    block = (mixing @ block.to(torch.float64)).to(torch.float32)
-                reduced.append(self.reduce(block, params))
-            scatter(result, segments, torch.cat(reduced))
-        return result
+            mixing = self.mixing(self.gram(deltas, factors, params, spans), params)
+        parts = [self.span_values(deltas, factors, params, span, mixing) for span in spans]
+        return self.assemble(parts, spec=spec, inputs=inputs)
 
 
 class TrimmedMean(CoordinateStrategy):
@@ -195,11 +217,12 @@ class TrimmedMean(CoordinateStrategy):
 
     name = "trimmed_mean"
 
-    def reduce(self, stacked, params):
-        n = stacked.shape[0]
+    def reduce(self, rows, params):
+        n = rows.shape[1]
         cut = int(params["trim_ratio"] * n)
-        kept = stacked.sort(dim=0).values[cut : n - cut] if cut else stacked
-        return kept.to(torch.float64).mean(dim=0).to(torch.float32)
+        if cut:
+            rows.sort(axis=1)
+        return (rows[:, cut : n - cut].sum(axis=1, dtype=np.float64) / (n - 2 * cut)).astype(np.float32)
 
 
 class Median(CoordinateStrategy):
@@ -207,12 +230,15 @@ class Median(CoordinateStrategy):
 
     name = "median"
 
-    def reduce(self, stacked, params):
-        n = stacked.shape[0]
+    def reduce(self, rows, params):
+        n = rows.shape[1]
+        middle = n // 2
+        rows.partition(middle, axis=1)  # a selection, not a sort: row[middle] in place, smaller values before it
+        upper = rows[:, middle]
         if n % 2:
-            return stacked.median(dim=0).values
-        ordered = stacked.sort(dim=0).values
-        return ((ordered[n // 2 - 1].double() + ordered[n // 2].double()) / 2).to(torch.float32)
+            return upper.copy()
+        lower = rows[:, :middle].max(axis=1)
+        return ((lower.astype(np.float64) + upper) / 2).astype(np.float32)
 
 
 def krum_scores(distances: torch.Tensor, f: int) -> list[float]:
@@ -238,9 +264,22 @@ class Krum(RobustStrategy):
         return 1
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
-        params, shapes, inputs, factors = self.prepare(inputs, spec, params)
+        prepared = self.prepare(inputs, spec, params)
+        params, coordinates, _, deltas, factors = prepared
+        gram = self.gram(deltas, factors, params, coordinate_spans(coordinates.total, params["coordinate_shards"]))
+        return self._chosen_mean(prepared, gram)
+
+    def needs_gram(self, params) -> bool:
+        return True
+
+    def from_gram(self, inputs, *, spec, params, gram) -> dict[str, torch.Tensor]:
+        """Krum's choice from the deltas' whole Gram matrix, and the chosen deltas' (weighted) mean: the
+        combining step of a chord whose tasks computed the spans' Gram matrices."""
+        return self._chosen_mean(self.prepare(inputs, spec, params), gram)
+
+    def _chosen_mean(self, prepared, gram) -> dict[str, torch.Tensor]:
+        params, coordinates, inputs, deltas, factors = prepared
         n = len(inputs)
-        gram = self.gram(inputs, shapes, factors, params["chunk_elements"])
         mixing = self.mixing(gram, params) if params["mixing"] == "nnm" else None
         if mixing is not None:
             gram = mixing @ gram @ mixing.T
@@ -254,9 +293,11 @@ class Krum(RobustStrategy):
             mixed = sum(w * mixing[i] for i, w in zip(chosen, weights, strict=True))
             chosen = [j for j in range(n) if float(mixed[j]) > 0]
             weights = [float(mixed[j]) for j in chosen]
-        picked = [inputs[i] for i in chosen]
-        sums = weighted_sum(picked, [w * factors[i] for w, i in zip(weights, chosen, strict=True)], shapes, shapes)
-        return {key: (sums[key] / total).to(torch.float32) for key in shapes}
+        picked = [deltas[i] for i in chosen]
+        sums = torch.from_numpy(
+            flat_weighted_sum(picked, [w * factors[i] for w, i in zip(weights, chosen, strict=True)])
+        )
+        return {key: (value / total).to(torch.float32) for key, value in coordinates.split(sums).items()}
 
 
 class MultiKrum(Krum):

@@ -1,0 +1,292 @@
+"""Deltas read as flat runs of coordinates, straight from their files.
+
+A round's deltas share a coordinate order (``CoordinateOrder``): the adapter's tensors in the order of their
+bytes in the first delta's file, then the spec's tensors that file lacks (the FFA layout's ``lora_A``). Each
+delta is checked once against the spec (its header parsed once, every key's dtype, scale and shape) and
+becomes a list of pieces: runs of coordinates with where their bytes start in the file. Deltas written by one
+agent version store their tensors in one order, so a delta is then one piece and a range of coordinates is
+one ``pread`` into a preallocated array, decoded with one numpy operation: no per-tensor Python work, however
+many small tensors a LoRA adapter has, and no file held open or mapped between reads, so memory is what the
+caller allocates, whatever N is. A delta in another order, or lacking keys, has more pieces and reads the
+same (absent keys read as zeros).
+
+Reads check that every value is finite; the checks and their messages are those of ``base.check_header``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from edge_agent.delta import ENCODINGS, FORMAT, read_encoding
+
+from .base import DeltaInput, Shape, check_keys
+
+NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def _refuse_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the header names {key!r} twice")
+        seen[key] = value
+    return seen
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """The safetensors header (a name given twice is refused) and where the data section starts."""
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) != 8:
+            raise ValueError("the file is shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise ValueError("the header is too large")
+        raw = file.read(length)
+    header = json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, 8 + length
+
+
+@dataclass(frozen=True)
+class CoordinateOrder:
+    """Every coordinate of the adapter in one flat order: ``keys`` with ``starts[key]``, ``total`` in all."""
+
+    keys: tuple[str, ...]
+    starts: dict[str, int]
+    shapes: dict[str, Shape]
+    total: int
+
+    @classmethod
+    def of(cls, shapes: dict[str, Shape], first: str | None = None) -> CoordinateOrder:
+        """The order of ``first``'s bytes (a delta file), then the spec keys it lacks, in spec order."""
+        order: list[str] = []
+        if first is not None:
+            with contextlib.suppress(ValueError, OSError, TypeError, KeyError, IndexError):
+                header, _ = read_header(first)
+                stored = [(entry["data_offsets"][0], key) for key, entry in header.items() if key in shapes]
+                order = [key for _, key in sorted(stored)]
+        order += [key for key in shapes if key not in order]
+        order = [key for key in order if math.prod(shapes[key])]
+        starts, position = {}, 0
+        for key in order:
+            starts[key] = position
+            position += math.prod(shapes[key])
+        return cls(tuple(order), starts, dict(shapes), position)
+
+    def key_at(self, coordinate: int) -> str:
+        for key in reversed(self.keys):
+            if self.starts[key] <= coordinate:
+                return key
+        raise IndexError(coordinate)
+
+    def split(self, flat, keys=None) -> dict:
+        """``flat`` (every coordinate in this order: a numpy array or a tensor) as one view per key, shaped by
+        the spec, for ``keys`` (default all, in spec order); a key without coordinates is an empty array."""
+        out = {}
+        for key in self.shapes if keys is None else keys:
+            if key in self.starts:
+                start = self.starts[key]
+                out[key] = flat[start : start + math.prod(self.shapes[key])].reshape(self.shapes[key])
+            else:
+                out[key] = flat[:0].reshape(self.shapes[key])
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    start: int  # first coordinate, in the round's order
+    stop: int
+    offset: int  # byte offset of coordinate ``start`` in the file
+    dtype: str  # safetensors dtype (F32, F16, I8)
+    scale: float | None  # int8: value = stored x scale
+
+
+class FlatDelta:
+    """One delta checked against the spec and cut into pieces of the round's coordinate order."""
+
+    def __init__(self, inp: DeltaInput, index: int, order: CoordinateOrder, shape_ok=None):
+        self.path = inp.path
+        self.label = label = f"delta #{index} ({inp.path})"
+        try:
+            handle = safe_open(inp.path, framework="np")
+        except SafetensorError as exc:
+            raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
+        with handle as opened:
+            metadata = opened.metadata() or {}
+            present = list(opened.keys())
+        if metadata.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"{label} is not a {FORMAT} file (format {metadata.get('format')!r})")
+        try:
+            self.encoding, scales = read_encoding(metadata)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from None
+        stored = ENCODINGS[self.encoding]
+        try:
+            header, data_start = read_header(inp.path)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
+        shapes = order.shapes
+        check_keys(label, present, shapes)
+        self.shapes: dict[str, Shape] = {}
+        for key in present:
+            entry = header[key]
+            if entry["dtype"] != stored:
+                raise ValueError(
+                    f"{label}: {key!r} is stored as {entry['dtype']}, its {self.encoding} encoding stores {stored}"
+                )
+            if self.encoding == "int8" and key not in scales:
+                raise ValueError(f"{label}: the int8 tensor {key!r} has no scale in the metadata")
+            shape = tuple(entry["shape"])
+            if shape != shapes[key] and not (shape_ok and shape_ok(key, shape, shapes[key])):
+                raise ValueError(f"{label}: {key!r} has shape {list(shape)}, the adapter's is {list(shapes[key])}")
+            self.shapes[key] = shape
+        pieces: list[Piece] = []
+        itemsize = np.dtype(NUMPY_DTYPES[stored]).itemsize
+        for key in order.keys:
+            if key not in self.shapes:
+                continue
+            start = order.starts[key]
+            stop = start + math.prod(shapes[key])
+            offset = data_start + header[key]["data_offsets"][0]
+            scale = float(scales[key]) if self.encoding == "int8" else None
+            last = pieces[-1] if pieces else None
+            if (
+                last is not None
+                and last.stop == start
+                and last.offset + (last.stop - last.start) * itemsize == offset
+                and last.scale == scale
+            ):
+                pieces[-1] = Piece(last.start, stop, last.offset, stored, scale)
+            else:
+                pieces.append(Piece(start, stop, offset, stored, scale))
+        self.pieces = pieces
+        self.order = order
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[_OpenDelta]:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            yield _OpenDelta(self, fd)
+        finally:
+            os.close(fd)
+
+    def read(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+        with self.opened() as reader:
+            return reader.read(start, stop, out)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise ValueError("the file ended before its tensors did")
+        done += got
+
+
+class _OpenDelta:
+    def __init__(self, delta: FlatDelta, fd: int):
+        self.delta, self.fd = delta, fd
+
+    def read(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+        """Coordinates ``start:stop`` decoded to float32 into ``out`` (float32, at least that long; zeros where
+        the delta has no tensor); ValueError naming the tensor when a value is NaN or infinite."""
+        target = out[: stop - start]
+        covered = start
+        for piece in self.delta.pieces:
+            if piece.stop <= start or piece.start >= stop:
+                continue
+            first, last = max(start, piece.start), min(stop, piece.stop)
+            if first > covered:
+                target[covered - start : first - start] = 0
+            into = target[first - start : last - start]
+            dtype = NUMPY_DTYPES[piece.dtype]
+            itemsize = np.dtype(dtype).itemsize
+            offset = piece.offset + (first - piece.start) * itemsize
+            if dtype is np.float32:
+                _pread_into(self.fd, memoryview(into).cast("B"), offset)
+            else:
+                raw = np.empty(last - first, dtype=dtype)
+                _pread_into(self.fd, memoryview(raw).cast("B"), offset)
+                if piece.scale is not None:
+                    np.multiply(raw, np.float32(piece.scale), out=into, dtype=np.float32)
+                else:
+                    into[:] = raw
+            covered = last
+        if covered < stop:
+            target[covered - start :] = 0
+        if not np.isfinite(target).all():
+            bad = start + int(np.flatnonzero(~np.isfinite(target))[0])
+            raise ValueError(f"{self.delta.label}: {self.delta.order.key_at(bad)!r} holds NaN or infinite values")
+        return target
+
+
+def open_flat(inputs: list[DeltaInput], shapes: dict[str, Shape], shape_ok=None) -> tuple[CoordinateOrder, list]:
+    """The round's coordinate order and every input checked and cut into pieces (one file open at a time)."""
+    order = CoordinateOrder.of(shapes, inputs[0].path if inputs else None)
+    return order, [FlatDelta(inp, index, order, shape_ok) for index, inp in enumerate(inputs)]
+
+
+def block_columns(n: int, budget_bytes: int, bytes_per_value: int, *, at_least: int = 1024) -> int:
+    """How many coordinates of N deltas fit the budget at ``bytes_per_value`` per delta and coordinate (the
+    gathered block and the temporaries of what runs on it)."""
+    return max(at_least, budget_bytes // max(1, n * bytes_per_value))
+
+
+# Coordinates read per step of a streaming pass (one delta at a time): 16 MiB of float32.
+READ_COLUMNS = 1 << 22
+
+
+def flat_norms(deltas: list[FlatDelta]) -> list[float]:
+    """Each delta's L2 norm over all its coordinates, accumulated in float64."""
+    total = deltas[0].order.total if deltas else 0
+    buffer = np.empty(min(READ_COLUMNS, max(1, total)), dtype=np.float32)
+    norms = []
+    for delta in deltas:
+        squares = 0.0
+        with delta.opened() as reader:
+            for start in range(0, total, READ_COLUMNS):
+                values = reader.read(start, min(total, start + READ_COLUMNS), buffer)
+                squares += float(np.dot(values.astype(np.float64), values.astype(np.float64)))
+        norms.append(math.sqrt(squares))
+    return norms
+
+
+def flat_weighted_sum(deltas: list[FlatDelta], weights: list[float]) -> np.ndarray:
+    """``sum_i weights[i] * delta_i`` over every coordinate, in float64, one delta read at a time (each
+    element as ``base.weighted_sum`` computes it: the float32 value times its weight, added in float64)."""
+    total = deltas[0].order.total if deltas else 0
+    sums = torch.zeros(total, dtype=torch.float64)
+    buffer = np.empty(min(READ_COLUMNS, max(1, total)), dtype=np.float32)
+    for delta, weight in zip(deltas, weights, strict=True):
+        with delta.opened() as reader:
+            for start in range(0, total, READ_COLUMNS):
+                stop = min(total, start + READ_COLUMNS)
+                sums[start:stop].add_(torch.from_numpy(reader.read(start, stop, buffer)), alpha=weight)
+    return sums.numpy()
+
+
+def flat_clip_factors(inputs: list[DeltaInput], deltas: list[FlatDelta], clip: float | None, *, recompute=False):
+    """``base.clip_factors`` with the norms a delta lacks (or all, when ``recompute``) read flat."""
+    if clip is None:
+        return [1.0] * len(inputs)
+    need = [i for i, inp in enumerate(inputs) if recompute or inp.norm is None]
+    computed = dict(zip(need, flat_norms([deltas[i] for i in need]), strict=True))
+    factors = []
+    for index, inp in enumerate(inputs):
+        norm = computed.get(index, inp.norm)
+        factors.append(1.0 if norm <= clip else clip / norm)
+    return factors
