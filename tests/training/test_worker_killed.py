@@ -35,7 +35,8 @@ def test_a_worker_killed_mid_aggregation_and_restarted_makes_exactly_one_version
     adapter = adapter_create(name="wide-lora", base_model=base, rank=256, alpha=256.0)
     adapter.cohorts.add(cohort)
     version_create_seeded(adapter=adapter, seed=1)
-    # Median in small coordinate chunks over 24 deltas of 0.5M parameters: seconds of work to interrupt.
+    # Median in small coordinate blocks (64 coordinates: 8,192 blocks, 24 reads each) over 24 deltas of 0.5M
+    # parameters: seconds of work to interrupt.
     adapter_set_aggregation(
         adapter=adapter,
         actor=None,
@@ -60,7 +61,7 @@ def test_a_worker_killed_mid_aggregation_and_restarted_makes_exactly_one_version
     round_ = Round.objects.get()
     assert round_.deltas.count() == 24
     Round.objects.filter(pk=round_.pk).update(
-        state=Round.State.AGGREGATING, params={**round_.params, "chunk_elements": 4096}
+        state=Round.State.AGGREGATING, params={**round_.params, "chunk_elements": 64}
     )
 
     queue = f"kill-{uuid.uuid4().hex[:6]}"
@@ -74,7 +75,7 @@ def test_a_worker_killed_mid_aggregation_and_restarted_makes_exactly_one_version
         while Round.objects.get(pk=round_.pk).attempts == 0:
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.05)
-        time.sleep(0.5)  # well inside the aggregation
+        time.sleep(0.05)  # inside the aggregation: it has begun (attempts) and takes a few seconds
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
         assert not AdapterVersion.objects.filter(round=round_).exists(), "the kill came too late to prove anything"
