@@ -117,7 +117,7 @@ class Piece:
 class FlatDelta:
     """One delta checked against the spec and cut into pieces of the round's coordinate order."""
 
-    def __init__(self, inp: DeltaInput, index: int, order: CoordinateOrder, shape_ok=None):
+    def __init__(self, inp: DeltaInput, index: int, order: CoordinateOrder, shared: dict | None = None):
         self.path = inp.path
         self.label = label = f"delta #{index} ({inp.path})"
         try:
@@ -140,7 +140,6 @@ class FlatDelta:
             raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
         shapes = order.shapes
         check_keys(label, present, shapes)
-        self.shapes: dict[str, Shape] = {}
         for key in present:
             entry = header[key]
             if entry["dtype"] != stored:
@@ -150,13 +149,14 @@ class FlatDelta:
             if self.encoding == "int8" and key not in scales:
                 raise ValueError(f"{label}: the int8 tensor {key!r} has no scale in the metadata")
             shape = tuple(entry["shape"])
-            if shape != shapes[key] and not (shape_ok and shape_ok(key, shape, shapes[key])):
+            if shape != shapes[key]:
                 raise ValueError(f"{label}: {key!r} has shape {list(shape)}, the adapter's is {list(shapes[key])}")
-            self.shapes[key] = shape
+        # The keys it holds, one set shared by the deltas that hold the same (memory flat in N).
+        self.keys = shared.setdefault(tuple(present), frozenset(present)) if shared is not None else frozenset(present)
         pieces: list[Piece] = []
         itemsize = np.dtype(NUMPY_DTYPES[stored]).itemsize
         for key in order.keys:
-            if key not in self.shapes:
+            if key not in self.keys:
                 continue
             start = order.starts[key]
             stop = start + math.prod(shapes[key])
@@ -234,10 +234,11 @@ class _OpenDelta:
         return target
 
 
-def open_flat(inputs: list[DeltaInput], shapes: dict[str, Shape], shape_ok=None) -> tuple[CoordinateOrder, list]:
+def open_flat(inputs: list[DeltaInput], shapes: dict[str, Shape]) -> tuple[CoordinateOrder, list]:
     """The round's coordinate order and every input checked and cut into pieces (one file open at a time)."""
     order = CoordinateOrder.of(shapes, inputs[0].path if inputs else None)
-    return order, [FlatDelta(inp, index, order, shape_ok) for index, inp in enumerate(inputs)]
+    shared: dict = {}
+    return order, [FlatDelta(inp, index, order, shared) for index, inp in enumerate(inputs)]
 
 
 def block_columns(n: int, budget_bytes: int, bytes_per_value: int, *, at_least: int = 1024) -> int:

@@ -55,7 +55,7 @@ class MeanStrategy(Strategy):
         dp = parse_dp(params.get("dp"))
         order, deltas = open_flat(inputs, shapes)
         self.check_extra_all(inputs, shapes)
-        keys = [key for key in self.summed_keys(shapes) if any(key in delta.shapes for delta in deltas)]
+        keys = [key for key in self.summed_keys(shapes) if any(key in delta.keys for delta in deltas)]
         clip = params["clip_norm"]
         if dp is not None:
             clip = dp.clip if clip is None else min(clip, dp.clip)

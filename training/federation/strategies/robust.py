@@ -128,7 +128,9 @@ class RobustStrategy(Strategy):
         need, and all they are used for): float32 products of short blocks, added up in float64 (O(N^2))."""
         n = len(deltas)
         gram = torch.zeros(n, n, dtype=torch.float64)
-        columns = min(self.columns(n, params, 4), GRAM_COLUMNS)
+        columns = max(
+            1, min(params["chunk_elements"], GRAM_COLUMNS, max(GRAM_MIN_COLUMNS, GRAM_BLOCK_BYTES // (8 * n)))
+        )
         for _, _, block in self.blocks(deltas, factors, span, columns):
             values = torch.from_numpy(block)
             # Centred on the block's mean: distances do not change, and float32 products of what is left lose
@@ -163,9 +165,12 @@ class RobustStrategy(Strategy):
         return self.check_params(params)["mixing"] == "nnm"
 
 
-# Columns per float32 Gram product: short enough that the float32 dot products stay accurate (they are added
-# up in float64 across blocks), long enough for the matrix product to run at full speed.
-GRAM_COLUMNS = 1 << 14
+# A Gram block (the gathered float32 block and its centred copy) holds about GRAM_BLOCK_BYTES whatever N is,
+# so memory stays flat in N; its columns stay between GRAM_MIN_COLUMNS (for the matrix product to run at full
+# speed) and GRAM_COLUMNS (for float32 dot products to stay accurate: they are added up in float64).
+GRAM_BLOCK_BYTES = 16 << 20
+GRAM_MIN_COLUMNS = 512
+GRAM_COLUMNS = 1 << 15
 
 
 class CoordinateStrategy(RobustStrategy):
