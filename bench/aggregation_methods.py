@@ -97,7 +97,7 @@ def streaming_sha256(path: str) -> tuple[str, int]:
 
 def verify_streaming(index: int, path: str, sidecar: dict, spec: dict, max_norm: float) -> float:
     """The server's checks as verification runs them: the envelope's signature, then the product's
-    ``training.federation.verification.contents_check`` (one streaming pass: sha256 and size, header, spec,
+    ``training.federation.delta_contents.contents_check`` (one streaming pass: sha256 and size, header, spec,
     finite values, the norm), then the norm bound. Returns the norm."""
     from types import SimpleNamespace
 
@@ -110,7 +110,7 @@ def verify_streaming(index: int, path: str, sidecar: dict, spec: dict, max_norm:
 def verify_product(path: str, sidecar: dict, adapter) -> float:
     """What ``training.federation.verification`` does for the contents: ``contents_check``, one streaming pass
     over the file (sha256 and size, header, spec, the library's header check, finite values, norm)."""
-    from training.federation.verification import contents_check
+    from training.federation.delta_contents import contents_check
 
     envelope = check_envelope(sidecar)
     with open(path, "rb") as handle:

@@ -9,49 +9,23 @@ changes nothing the second time: only a ``received`` delta is verified.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import BinaryIO
 
-import numpy as np
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Exists, OuterRef, Subquery
 from django.utils import timezone
-from safetensors import safe_open
 
 from core.queries import only_row
 from devices.models import DeviceStatus
-from edge_agent.delta import ENCODINGS, read_encoding
 from edge_agent.protocol import public_key_from_b64, verify
 from training.federation.aggregation_settings import aggregation_settings
+from training.federation.delta_contents import Rejection, contents_check
 from training.federation.events import announce_delta
 from training.federation.rounds import round_admit, round_admit_many
 from training.models import Adapter, AdapterVersion, Delta
-from training.registry.artifacts import ArtifactRejected, check_spec, data_layout, header_length, parse_header
-from training.registry.blobs import CHUNK, blob_open, blob_path
-
-
-@dataclass(frozen=True)
-class Rejection(Exception):
-    code: str
-    detail: str
-
-
-def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
-    """The tensors a delta for this adapter must hold, in the dtype its encoding stores."""
-    settings_ = aggregation_settings(adapter)
-    ffa = settings_["ffa"] or settings_["strategy"] == "ffa_lora"
-    dtype = ENCODINGS[encoding]
-    return {
-        name: {"shape": entry["shape"], "dtype": dtype}
-        for name, entry in adapter.tensor_spec.items()
-        if not (ffa and ".lora_A." in name)
-    }
+from training.registry.blobs import blob_open, blob_path
 
 
 def _check_bytes(delta: Delta) -> None:
@@ -128,204 +102,6 @@ def _check_base(delta: Delta, adapter: Adapter, memo: dict | None = None) -> Ada
         )
     delta.base_version, delta.staleness = base, staleness
     return base
-
-
-# --- the contents: one pass over the stored file ---------------------------------------------------------
-
-DECODE_SLICE = 1 << 18  # values decoded at a time: at most 2 MiB of float64 squares, whatever the tensor's size
-_STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
-
-
-class _ShortFile(Exception):
-    """The stored file ended before the bytes its signed size promises (the size check then says so)."""
-
-
-class _Stream:
-    """The stored file read once, front to back, CHUNK bytes at a time, each read hashed and counted."""
-
-    def __init__(self, handle: BinaryIO):
-        self.handle = handle
-        self.digest = hashlib.sha256()
-        self.size = 0
-        self.pending = b""  # read and hashed, not yet taken
-
-    def _read(self) -> bytes:
-        chunk = self.handle.read(CHUNK)
-        if chunk:
-            self.digest.update(chunk)
-            self.size += len(chunk)
-        return chunk
-
-    def take(self, count: int) -> bytes:
-        """The next ``count`` bytes (the framing and the header: at most MAX_HEADER_BYTES + 8)."""
-        parts, have = [self.pending], len(self.pending)
-        while have < count and (chunk := self._read()):
-            parts.append(chunk)
-            have += len(chunk)
-        if have < count:
-            raise _ShortFile
-        data = b"".join(parts) if len(parts) > 1 else parts[0]
-        self.pending = data[count:]
-        return data[:count]
-
-    def rest(self) -> Iterator[memoryview]:
-        """The bytes after those taken, a chunk at a time."""
-        if self.pending:
-            yield memoryview(self.pending)
-            self.pending = b""
-        while chunk := self._read():
-            yield memoryview(chunk)
-
-
-class _Values:
-    """The data section's values as its bytes stream past (tensors in the order they lie, ``layout``): each
-    decoded to float32 as ``edge_agent.delta.decode_tensor`` does (int8 times its tensor's scale, in float32),
-    checked finite, and its square summed in float64. Holds a few bytes of a value split between two reads and
-    at most DECODE_SLICE values decoded at a time."""
-
-    def __init__(self, layout: list[tuple[str, int, int]], encoding: str, scales: dict[str, float]):
-        self.layout = layout
-        self.stored = _STORED[ENCODINGS[encoding]]
-        self.width = self.stored.itemsize
-        with np.errstate(over="ignore"):  # a scale past float32's range is inf, as in torch: not finite
-            self.scales = {name: np.float32(scale) for name, scale in scales.items()} if encoding == "int8" else {}
-        self.index = 0  # the tensor the next byte belongs to
-        self.done = 0  # its bytes seen so far
-        self.carry = b""  # the start of a value split between two reads
-        self.squares = 0.0
-
-    def feed(self, view: memoryview) -> None:
-        while len(view) and self.index < len(self.layout):
-            name, start, end = self.layout[self.index]
-            part = view[: end - start - self.done]
-            view = view[len(part) :]
-            self._bytes(name, part)
-            self.done += len(part)
-            if self.done == end - start:
-                self.index, self.done = self.index + 1, 0
-
-    def _bytes(self, name: str, part: memoryview) -> None:
-        if self.carry:
-            head = self.carry + bytes(part[: self.width - len(self.carry)])
-            part = part[self.width - len(self.carry) :]
-            if len(head) < self.width:
-                self.carry = head
-                return
-            self.carry = b""
-            self._sum(name, head)
-        whole = len(part) - len(part) % self.width
-        if whole:
-            self._sum(name, part[:whole])
-        if whole < len(part):
-            self.carry = bytes(part[whole:])
-
-    def _sum(self, name: str, data) -> None:
-        values = np.frombuffer(data, dtype=self.stored)
-        scale = self.scales.get(name)
-        for at in range(0, len(values), DECODE_SLICE):
-            part = values[at : at + DECODE_SLICE]
-            with np.errstate(all="ignore"):  # NaN and overflow are found below, not warned about
-                if scale is not None:
-                    part = part.astype(np.float32) * scale
-                wide = part.astype(np.float64)
-                # A sum of squares of float32 values in float64 is finite exactly when every value is. einsum:
-                # one thread (np.dot hands a slice this size to BLAS threads, which contend with other workers).
-                squares = float(np.einsum("i,i->", wide, wide))
-            if not math.isfinite(squares):
-                raise Rejection("not_finite", f"tensor {name!r} holds NaN or infinite values")
-            self.squares += squares
-
-
-def _library_message(exc: Exception) -> str:
-    """The safetensors library's refusal as ``safetensors.torch.load`` words it (``safe_open`` reads the same
-    header with the same checks and words it "Error while deserializing header: ...")."""
-    text = str(exc)
-    prefix = "Error while deserializing header: "
-    return "Error while deserializing: " + text[len(prefix) :] if text.startswith(prefix) else text
-
-
-def _library_check(path: str | None, head: bytes, size: int) -> None:
-    """What the safetensors library refuses in the header that ``parse_header`` lets through (a metadata value
-    that is not a string, a gap between tensors, JSON Python reads and serde does not), found by its own header
-    check: ``safe_open`` on the stored file (``path``) maps it and reads only the header; without a local file
-    (S3), on a sparse temporary file of the same size holding only the header (``head``, the framing included).
-    Nothing else of the file is read."""
-    try:
-        if path is not None:
-            with safe_open(path, framework="np"):
-                return
-        with tempfile.NamedTemporaryFile(prefix="delta-header-", suffix=".safetensors") as sparse:
-            sparse.write(head)
-            sparse.truncate(size)
-            sparse.flush()
-            with safe_open(sparse.name, framework="np"):
-                return
-    except Exception as exc:
-        raise Rejection("malformed", f"safetensors could not read the file: {_library_message(exc)}") from None
-
-
-def _read_contents(stream: _Stream, size: int, adapter: Adapter, path: str | None) -> tuple[str, float]:
-    """The checks on the file's bytes, in the documented order, as the stream passes: the framing and the
-    header (limits, JSON, no key twice, entries, offsets), the encoding, the adapter's spec, the int8 scales,
-    the library's own header check, then the data: finite values and the norm bound."""
-    prefix = stream.take(min(size, 8))
-    try:
-        header_size = header_length(prefix, size)
-        head = prefix + stream.take(header_size)
-        header, metadata = parse_header(head[8:], size - 8 - header_size)
-        encoding, scales = read_encoding(metadata if metadata and isinstance(metadata, dict) else {})
-    except ArtifactRejected as exc:
-        code = exc.code if exc.code in ("header_too_large", "duplicate_tensor") else "malformed"
-        raise Rejection(code, str(exc)) from None
-    except ValueError as exc:
-        raise Rejection("malformed", str(exc)) from None
-    try:
-        check_spec(header, delta_spec(adapter, encoding))
-    except ArtifactRejected as exc:
-        raise Rejection("spec_mismatch", str(exc)) from None
-    if encoding == "int8" and set(scales) != set(header):
-        raise Rejection("malformed", "an int8 delta needs one scale per tensor")
-    _library_check(path, head, size)
-    try:
-        layout = data_layout(header, size - 8 - header_size)
-    except ArtifactRejected as exc:
-        raise Rejection("malformed", str(exc)) from None
-    values = _Values(layout, encoding, scales)
-    for chunk in stream.rest():
-        values.feed(chunk)
-    norm = math.sqrt(values.squares)
-    bound = aggregation_settings(adapter)["max_norm"]
-    if bound is not None and norm > bound:
-        raise Rejection("norm_too_large", f"the update's L2 norm is {norm:.4g}; the adapter's bound is {bound:.4g}")
-    return encoding, norm
-
-
-def contents_check(
-    handle: BinaryIO, *, size: int, sha256: str, adapter: Adapter, path: str | None = None
-) -> tuple[str, float]:
-    """Check a delta file's contents against ``adapter`` in one pass over ``handle`` (its stored bytes, read in
-    CHUNK reads; ``path``: the same file on local disk, if it is there): ``(encoding, L2 norm)``, or the first
-    failed check as a ``Rejection``. The bytes are hashed and counted on the way; if they are not the ``size``
-    bytes of ``sha256`` the signature covers, that is the answer (``hash_mismatch``, before any finding on the
-    contents, which are then not the signed file's). Memory, whatever the file's size: the header (at most 1 MiB),
-    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (at most 3 MiB)."""
-    stream = _Stream(handle)
-    found: Rejection | None = None
-    try:
-        encoding, norm = _read_contents(stream, size, adapter, path)
-    except Rejection as rejection:
-        found = rejection
-    except _ShortFile:
-        pass  # the size check below tells
-    for _ in stream.rest():  # the rest of a refused file, for its hash
-        pass
-    if stream.size != size:
-        raise Rejection("hash_mismatch", f"{stream.size} bytes stored, the envelope says {size}")
-    if stream.digest.hexdigest() != sha256:
-        raise Rejection("hash_mismatch", "the stored bytes do not hash to the signed sha256")
-    if found is not None:
-        raise found
-    return encoding, norm
 
 
 def _check_contents(delta: Delta, adapter: Adapter) -> tuple[str, float]:

@@ -16,7 +16,6 @@ Reads check that every value is finite; the checks and their messages are those 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import struct
@@ -28,20 +27,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from edge_agent.delta import ENCODINGS, FORMAT, read_encoding
+from edge_agent.safetensors_header import loads_noting_repeats
 
 from .base import DeltaInput, Shape, check_keys
 
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-
-
-def _refuse_duplicates(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"the header names {key!r} twice")
-        seen[key] = value
-    return seen
 
 
 def read_header(path: str) -> tuple[dict, int]:
@@ -54,7 +45,9 @@ def read_header(path: str) -> tuple[dict, int]:
         if length > MAX_HEADER_BYTES:
             raise ValueError("the header is too large")
         raw = file.read(length)
-    header = json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    header, repeats = loads_noting_repeats(raw)
+    if repeats:
+        raise ValueError(f"the header names {repeats[0].key!r} twice")
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     return header, 8 + length
