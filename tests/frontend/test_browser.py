@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,8 +17,8 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from tests.conftest import ROOT, _test_database_url
-from tests.e2e.support import free_port
+from tests.asgi_server import asgi_server
+from tests.conftest import ROOT
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -47,42 +43,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 @pytest.fixture(scope="module")
 def server_url(django_db_setup, django_db_blocker, tmp_path_factory):
     """uvicorn on ``fleet.asgi:application`` against the test database and this run's Redis namespace."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "DATABASE_URL": _test_database_url(),
-        "DATABASE_CONN_MAX_AGE": "0",
-        "BLOB_ROOT": str(tmp_path_factory.mktemp("browser-blobs")),
-        "PYTHONUNBUFFERED": "1",
-    }
-    log_path = ROOT / "tests" / "artifacts" / f"uvicorn-browser-{os.environ.get('FLEET_TEST_RUN_ID', 'x')}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "fleet.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-             "--ws", "wsproto", "--lifespan", "off", "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as response:  # noqa: S310 (our own server)
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"uvicorn did not come up:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    yield url
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    with asgi_server("browser", tmp_path_factory.mktemp("browser-server")) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
