@@ -1,6 +1,7 @@
 """The agent socket (/ws/agent/): challenge, signed hello, heartbeats, pushed commands.
 
-Protocol and close codes: ``edge_agent/protocol.py`` and ``edge_agent/PROTOCOL.md``. After the hello the
+Protocol and close codes: ``docs/protocol/README.md``; every message is a model of ``edge_agent/wire.py``, which
+validates what arrives here and builds what is sent. After the hello the
 only database access is none at all: heartbeats go to Redis (``devices.presence``), pushes arrive on this
 socket's channel.
 """
@@ -20,11 +21,12 @@ from django.conf import settings
 from django.db import connection
 
 from devices import presence
-from devices.errors import DeviceAuthFailed
-from devices.identity import device_verify, ensure_may_sync, new_nonce
+from devices.errors import DeviceAuthFailed, DeviceProtocolRefused
+from devices.identity import accepted_protocols, device_verify, ensure_may_sync, ensure_protocol, new_nonce
 from devices.models import Device, DeviceEvent
 from devices.personalization import personal_report_record
 from devices.socket_hooks import training_side
+from edge_agent import wire
 from edge_agent.protocol import (
     HELLO_TIMEOUT_SECONDS,
     MAX_BINARY_MESSAGE_BYTES,
@@ -69,11 +71,17 @@ class Refused(Exception):
 
 
 @_socket_db
-def _authenticate(device_id, nonce: str, signature) -> Device:
+def _authenticate(hello: wire.Hello, nonce: str) -> Device:
     try:
+        protocol = ensure_protocol(hello.protocol)
         device = device_verify(
-            device_id=device_id, payload=hello_payload(nonce=nonce, device_id=str(device_id)), signature=signature
+            device_id=hello.device_id,
+            payload=hello_payload(nonce=nonce, device_id=hello.device_id, protocol=protocol),
+            signature=hello.signature,
+            protocol=protocol,
         )
+    except DeviceProtocolRefused as exc:
+        raise Refused(CloseCode.UPGRADE_REQUIRED, exc.code, exc.message) from None
     except DeviceAuthFailed as exc:
         code = CloseCode.MALFORMED if exc.code == "malformed" else CloseCode.AUTH_FAILED
         raise Refused(code, exc.code, exc.message) from None
@@ -127,9 +135,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def connect(self):
         self.nonce = new_nonce()
         self.closed = False
+        self.recorded_beat_at = None  # when the last heartbeat of this socket was recorded (monotonic)
+        self.early_beats = 0  # heartbeats in a row that came too soon to be recorded
         await self.accept()
         await self.send(
-            encode(MessageType.CHALLENGE, nonce=self.nonce, protocol=PROTOCOL_VERSION, server_time=time.time())
+            wire.Challenge(
+                nonce=self.nonce,
+                protocol=PROTOCOL_VERSION,
+                protocols=list(accepted_protocols()),
+                server_time=time.time(),
+            ).to_json()
         )
         self.hello_deadline = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_SECONDS, lambda: asyncio.ensure_future(self._hello_timeout())
@@ -144,7 +159,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.closed = True
         try:
-            await self.send(encode(MessageType.ERROR, code=error, message=message))
+            await self.send(wire.Error(code=error, message=message).to_json())
             await self.close(code=code)
         except Exception:  # the client is already gone (uvicorn's ClientDisconnected): nothing left to tell
             logger.debug("socket of %s gone before it could be refused", self.device_id or "an unknown device")
@@ -164,23 +179,30 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
         kind = message["type"]
         try:
-            if self.device_id is None:
-                if kind != MessageType.HELLO:
-                    raise Refused(CloseCode.MALFORMED, "malformed", f"expected a hello first, got {kind!r}")
-                await self.on_hello(message)
+            if self.device_id is None and kind != MessageType.HELLO:
+                raise Refused(CloseCode.MALFORMED, "malformed", f"expected a hello first, got {kind!r}")
+            if self.device_id is not None and kind == MessageType.HELLO:
+                raise Refused(CloseCode.MALFORMED, "malformed", "hello: this socket has said hello already")
+            if kind == MessageType.DELTA_BEGIN:
+                # Its envelope and metrics are the intake's to judge: a bad one is a delta_error, the socket stays.
+                return await self.on_delta(kind, message)
+            try:
+                parsed = wire.agent_message(message)
+            except ValueError as exc:
+                raise Refused(CloseCode.MALFORMED, "malformed", str(exc)) from None
+            if kind == MessageType.HELLO:
+                await self.on_hello(parsed)
             elif kind == MessageType.HEARTBEAT:
                 await self.on_heartbeat(message)
-            elif kind in (MessageType.DELTA_BEGIN, MessageType.DELTA_CHUNK):
+            elif kind == MessageType.DELTA_CHUNK:
                 await self.on_delta(kind, message)
             elif kind == MessageType.ACK:
-                logger.debug("device %s acknowledged %s", self.device_id, message.get("id"))
-            else:
-                raise Refused(CloseCode.MALFORMED, "malformed", f"unknown message type {kind!r}")
+                logger.debug("device %s acknowledged %s", self.device_id, parsed.id)
         except Refused as refused:
             await self.refuse(refused.code, refused.error, refused.message)
 
-    async def on_hello(self, message: dict) -> None:
-        device = await _authenticate(message.get("device_id"), self.nonce, message.get("signature"))
+    async def on_hello(self, hello: wire.Hello) -> None:
+        device = await _authenticate(hello, self.nonce)
         self.hello_deadline.cancel()
         # Kept for the life of the socket: a change of status that ends syncing closes the socket
         # (devices.services), and verification checks the device again before a delta counts.
@@ -192,22 +214,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 replaced, {"type": "device.close", "code": CloseCode.REPLACED, "reason": "connected again elsewhere"}
             )
         await self.send(
-            encode(
-                MessageType.WELCOME,
+            wire.Welcome(
                 device_id=self.device_id,
                 status=device.status,
                 cohort=device.cohort.name,
                 heartbeat_interval=settings.HEARTBEAT_INTERVAL_SECONDS,
+                protocol=device.protocol,
                 server_time=time.time(),
-            )
+            ).to_json()
         )
         # A device that was offline when its assignment was made gets it now.
-        agent_version, hardware = message.get("agent_version"), message.get("hardware")
-        pending = await _after_hello(
-            device,
-            agent_version if isinstance(agent_version, str) and len(agent_version) <= 32 else "",
-            hardware if isinstance(hardware, dict) and len(hardware) <= 16 else None,
-        )
+        pending = await _after_hello(device, hello.agent_version, hello.hardware or None)
         if pending is not None:
             await self.send(
                 encode(
@@ -220,14 +237,36 @@ class AgentConsumer(AsyncWebsocketConsumer):
             state = presence.parse_heartbeat(message)
         except ValueError as exc:
             raise Refused(CloseCode.MALFORMED, "malformed", f"heartbeat: {exc}") from None
+        if not self._beat_is_due():
+            self.early_beats += 1
+            if self.early_beats >= settings.HEARTBEAT_EARLY_LIMIT:
+                raise Refused(
+                    CloseCode.TOO_CHATTY,
+                    "too_chatty",
+                    f"{self.early_beats} heartbeats in a row came sooner than half the "
+                    f"{settings.HEARTBEAT_INTERVAL_SECONDS}s interval",
+                )
+            await self.send(wire.HeartbeatAck(seq=message["seq"], server_time=time.time(), recorded=False).to_json())
+            return
+        self.early_beats = 0
+        self.recorded_beat_at = time.monotonic()
         personal_is_new = False
         try:
             personal_is_new = await presence.record_heartbeat(self.device_id, state)
         except Exception:  # Redis away for a moment: keep the socket; the next heartbeat records it
             logger.warning("could not record a heartbeat of %s", self.device_id, exc_info=True)
-        await self.send(encode(MessageType.HEARTBEAT_ACK, seq=message["seq"], server_time=time.time()))
+        await self.send(wire.HeartbeatAck(seq=message["seq"], server_time=time.time()).to_json())
         if personal_is_new:
             await self.on_personal(state["personal"])
+
+    def _beat_is_due(self) -> bool:
+        """Whether a heartbeat now is spaced enough from the last one recorded on this socket to be recorded
+        (the first always is): a device that beats far faster than the interval costs Redis writes and tells
+        nothing more."""
+        if self.recorded_beat_at is None:
+            return True
+        spacing = settings.HEARTBEAT_INTERVAL_SECONDS * settings.HEARTBEAT_MIN_SPACING_PERCENT / 100
+        return time.monotonic() - self.recorded_beat_at >= spacing
 
     async def on_personal(self, personal: dict) -> None:
         """A new personal measurement: stored on a database thread (only this, not every heartbeat, goes

@@ -40,5 +40,9 @@ class DeviceNotAuthenticated(Unauthenticated, DeviceAuthFailed):
     """Unknown device, bad signature, a nonce or token that is not valid."""
 
 
+class DeviceProtocolRefused(Forbidden, DeviceAuthFailed):
+    """The device speaks a protocol version the server no longer accepts (or never knew)."""
+
+
 class DeviceNotAllowed(Forbidden, DeviceAuthFailed):
     """The device proved who it is but its status does not allow syncing (pending, suspended, revoked)."""

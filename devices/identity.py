@@ -11,15 +11,23 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime, time
 
 from django.conf import settings
 from django.core import signing
 from django.core.cache import cache
 
 from core.queries import only_row
-from devices.errors import DeviceAuthMalformed, DeviceNotAllowed, DeviceNotAuthenticated
+from devices.errors import DeviceAuthMalformed, DeviceNotAllowed, DeviceNotAuthenticated, DeviceProtocolRefused
 from devices.models import Device, DeviceEvent, DeviceStatus
-from edge_agent.protocol import b64encode, public_key_from_b64, token_request_payload, verify
+from edge_agent.protocol import (
+    PROTOCOL_VERSION,
+    SUPPORTED_PROTOCOLS,
+    b64encode,
+    public_key_from_b64,
+    token_request_payload,
+    verify,
+)
 
 TOKEN_SALT = "devices.device-token"  # noqa: S105  (a signing namespace, not a secret)
 NONCE_TTL_SECONDS = 60
@@ -37,15 +45,39 @@ def _parse_device_id(raw) -> uuid.UUID:
         raise DeviceAuthMalformed("malformed", "device_id must be a UUID.") from None
 
 
-def device_verify(*, device_id, payload: dict, signature) -> Device:
-    """Load the device and check the signature with its enrolled key. Status is checked separately."""
+def accepted_protocols(now: datetime | None = None) -> tuple[int, ...]:
+    """The device protocols the server accepts today: 1 until the end of PROTOCOL_1_ACCEPTED_UNTIL (UTC)."""
+    sunset = datetime.combine(datetime.fromisoformat(settings.PROTOCOL_1_ACCEPTED_UNTIL).date(), time.max, UTC)
+    return tuple(p for p in SUPPORTED_PROTOCOLS if p > 1 or (now or datetime.now(UTC)) <= sunset)
+
+
+def ensure_protocol(protocol) -> int:
+    """The protocol a hello or token request names (absent: 1), if the server accepts it today."""
+    protocol = 1 if protocol is None else protocol
+    if protocol not in accepted_protocols():
+        raise DeviceProtocolRefused(
+            "protocol_unsupported",
+            f"protocol {protocol!r} is not accepted; this server speaks {list(accepted_protocols())} "
+            f"(protocol 1 until {settings.PROTOCOL_1_ACCEPTED_UNTIL}): update the agent",
+        )
+    return protocol
+
+
+def device_verify(*, device_id, payload: dict, signature, protocol: int = PROTOCOL_VERSION) -> Device:
+    """Load the device and check the signature, over ``payload``'s canonical form of ``protocol``, with its
+    enrolled key. Status is checked separately."""
     parsed = _parse_device_id(device_id)
     device = only_row(Device.objects.select_related("cohort").filter(pk=parsed))
     if device is None:
         raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
-    if not isinstance(signature, str) or not verify(public_key_from_b64(device.public_key), payload, signature):
+    if not isinstance(signature, str) or not verify(
+        public_key_from_b64(device.public_key), payload, signature, protocols=(protocol,)
+    ):
         _record_auth_failure(device)
         raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
+    if device.protocol != protocol:  # manifests for it are signed in this protocol's canonical form from now on
+        Device.objects.filter(pk=device.pk).update(protocol=protocol)
+        device.protocol = protocol
     return device
 
 
@@ -87,8 +119,10 @@ class DeviceToken:
     expires_in: int
 
 
-def rest_token_issue(*, device_id, nonce, signature) -> DeviceToken:
-    """Spend a nonce (once) and, if the device signed it, issue a short-lived token."""
+def rest_token_issue(*, device_id, nonce, signature, protocol: int | None = None) -> DeviceToken:
+    """Spend a nonce (once) and, if the device signed it (in ``protocol``'s canonical form: absent, 1), issue a
+    short-lived token."""
+    protocol = ensure_protocol(protocol)
     if not isinstance(nonce, str) or not nonce:
         raise DeviceAuthMalformed("malformed", "nonce is required.")
     if not _NONCE.fullmatch(nonce):  # not one we issued: no need to look, nor to build a cache key from it
@@ -99,7 +133,10 @@ def rest_token_issue(*, device_id, nonce, signature) -> DeviceToken:
     if owner != str(_parse_device_id(device_id)):
         raise DeviceNotAuthenticated("nonce_invalid", "This nonce was issued to another device.")
     device = device_verify(
-        device_id=device_id, payload=token_request_payload(nonce=nonce, device_id=owner), signature=signature
+        device_id=device_id,
+        payload=token_request_payload(nonce=nonce, device_id=owner, protocol=protocol),
+        signature=signature,
+        protocol=protocol,
     )
     ensure_may_sync(device)
     token = signing.dumps({"d": str(device.pk), "k": device.public_key[:16]}, salt=TOKEN_SALT)

@@ -80,6 +80,11 @@ class Device(models.Model):
     hardware = models.JSONField(default=dict, blank=True, help_text="ram_mb, cpu, accelerator, os")
     labels = models.JSONField(default=dict, blank=True, help_text="free-form key/value strings")
     agent_version = models.CharField(max_length=32, blank=True)
+    protocol = models.PositiveSmallIntegerField(
+        default=1,
+        help_text="the device protocol of its latest signed hello or token request: manifests are signed in its "
+        "canonical form",
+    )
     enrolled_at = models.DateTimeField(default=timezone.now)
     enrolled_with = models.ForeignKey(EnrollmentToken, on_delete=models.SET_NULL, null=True, related_name="devices")
     last_seen_at = models.DateTimeField(null=True, blank=True)

@@ -10,8 +10,6 @@ Redis on the heartbeat's own round trip; this module checks again in the databas
 
 from __future__ import annotations
 
-import math
-import re
 import time
 from datetime import UTC, datetime
 
@@ -20,63 +18,26 @@ from django.db import transaction
 
 from core.live import LiveEvent, publish
 from devices.models import Device, PersonalizationReport
-from edge_agent.protocol import PERSONALIZATION_METHODS as METHODS
+from edge_agent.wire import EARLIEST_TIME, Personal, validated
 
 SERVING = ("personal", "shared")
 MAX_SAMPLES = 10**9
-# A measurement time before this (2000-01-01) or further ahead of the server's clock than this is refused: a
-# device with its clock far ahead would otherwise hide every later measurement behind that one.
-EARLIEST_MEASUREMENT = 946684800.0
+EARLIEST_MEASUREMENT = EARLIEST_TIME
+# A measurement further ahead of the server's clock than this is refused: a device with its clock far ahead
+# would otherwise hide every later measurement behind that one. (The other bounds are the model's,
+# ``edge_agent.wire.Personal``.)
 MAX_CLOCK_AHEAD_SECONDS = 86400
-_ADAPTER_NAME = re.compile(r"^[-a-zA-Z0-9_]{1,64}$")
-
-
-def _finite(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_personal(value, *, now: float | None = None) -> dict | None:
-    """A heartbeat's ``personal`` object, checked field by field (ValueError naming the bad one); None when
-    the heartbeat has none. Fields other than the documented ones are ignored, as in the rest of a heartbeat."""
+    """A heartbeat's ``personal`` object, checked (ValueError naming the bad field); None when the heartbeat has
+    none. Fields other than the documented ones are ignored, as in the rest of a heartbeat."""
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise ValueError("personal must be an object, or null")
-    adapter = value.get("adapter")
-    if not isinstance(adapter, str) or not _ADAPTER_NAME.match(adapter):
-        raise ValueError("personal.adapter must be an adapter name (letters, digits, - and _, at most 64)")
-    version = value.get("version")
-    if not _whole(version) or not 1 <= version <= 2**31 - 1:
-        raise ValueError("personal.version must be a version number (a whole number from 1)")
-    if value.get("method") not in METHODS:
-        raise ValueError(f"personal.method must be one of {', '.join(METHODS)}")
-    if value.get("serving") not in SERVING:
-        raise ValueError('personal.serving must be "personal" or "shared"')
-    for name in ("shared_accuracy", "personal_accuracy"):
-        if not _finite(value.get(name)) or not 0 <= value[name] <= 1:
-            raise ValueError(f"personal.{name} must be a number from 0 to 1")
-    for name in ("val_samples", "trained_samples"):
-        if not _whole(value.get(name)) or not 0 <= value[name] <= MAX_SAMPLES:
-            raise ValueError(f"personal.{name} must be a whole number from 0 to {MAX_SAMPLES}")
-    updated_at = value.get("updated_at")
-    latest = (time.time() if now is None else now) + MAX_CLOCK_AHEAD_SECONDS
-    if not _finite(updated_at) or not EARLIEST_MEASUREMENT <= updated_at <= latest:
-        raise ValueError("personal.updated_at must be the measurement's time in epoch seconds, not in the future")
-    return {
-        "adapter": adapter,
-        "version": version,
-        "method": value["method"],
-        "serving": value["serving"],
-        "shared_accuracy": float(value["shared_accuracy"]),
-        "personal_accuracy": float(value["personal_accuracy"]),
-        "val_samples": value["val_samples"],
-        "trained_samples": value["trained_samples"],
-        "updated_at": float(updated_at),
-    }
+    personal = validated(Personal, value, what="personal").to_dict()
+    if personal["updated_at"] > (time.time() if now is None else now) + MAX_CLOCK_AHEAD_SECONDS:
+        raise ValueError("personal.updated_at: the measurement's time is more than a day ahead of the server's clock")
+    return personal
 
 
 def _adapters():

@@ -21,7 +21,6 @@ one goes to the database (``devices.personalization``), after which ``mark_perso
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -34,6 +33,7 @@ from django.utils import timezone
 
 from devices.models import Device, DeviceEvent
 from devices.personalization import parse_personal
+from edge_agent.wire import HeartbeatState, validated
 
 
 def key(name: str) -> str:
@@ -44,7 +44,7 @@ def offline_after() -> float:
     return float(settings.DEVICE_OFFLINE_AFTER_SECONDS)
 
 
-MAX_METRICS = 32
+MAX_METRICS = 32  # edge_agent.wire.HeartbeatState's bound, for the API schema
 
 _async_clients: dict[int, aioredis.Redis] = {}
 
@@ -91,40 +91,19 @@ async def record_connected(device_id: str, channel_name: str) -> str | None:
 
 
 def parse_heartbeat(message: dict) -> dict:
-    """Validate a heartbeat's fields; raises ValueError naming the bad one."""
-    seq = message.get("seq")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise ValueError("seq must be a non-negative integer")
-    battery = message.get("battery")
-    if battery is not None and (not _finite(battery) or not 0 <= battery <= 100):
-        raise ValueError("battery must be a percentage from 0 to 100, or null")
-    charging = message.get("charging")
-    if charging is not None and not isinstance(charging, bool):
-        raise ValueError("charging must be true, false or null")
-    free_memory = message.get("free_memory_mb")
-    if free_memory is not None and (
-        not isinstance(free_memory, int) or isinstance(free_memory, bool) or free_memory < 0
-    ):
-        raise ValueError("free_memory_mb must be a non-negative integer, or null")
-    metrics = message.get("metrics")
-    metrics = {} if metrics is None else metrics
-    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
-        raise ValueError(f"metrics must be an object of at most {MAX_METRICS} numbers")
-    for name, value in metrics.items():
-        if len(name) > 64 or not _finite(value):
-            raise ValueError(f"metric {name[:64]!r} must be a finite number with a name under 64 characters")
-    personal = parse_personal(message.get("personal"))
+    """Validate a heartbeat (``edge_agent.wire.HeartbeatState``: the socket's and the REST body's fields);
+    raises ValueError naming the bad field."""
+    fields = {key: value for key, value in message.items() if key not in ("type", "personal")}
+    if fields.get("metrics", {}) is None:
+        del fields["metrics"]  # null: none
+    state = validated(HeartbeatState, fields).to_dict()
     return {
-        "battery": battery,
-        "charging": charging,
-        "free_memory_mb": free_memory,
-        "metrics": metrics,
-        "personal": personal,
+        "battery": state["battery"],
+        "charging": state["charging"],
+        "free_memory_mb": state["free_memory_mb"],
+        "metrics": state["metrics"],
+        "personal": parse_personal(message.get("personal")),
     }
-
-
-def _finite(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _heartbeat_pipeline(pipe, device_id: str, state: dict) -> None:

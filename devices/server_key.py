@@ -182,7 +182,9 @@ def rotation_sign(old: Ed25519PrivateKey, new: Ed25519PrivateKey, *, seq: int) -
         "seq": seq,
         "old_public_key": public_key_b64(old),
         "new_public_key": public_key_b64(new),
-        "issued_at": round(time.time(), 3),
+        # A whole number: with only whole numbers and ASCII text, protocol 1's and RFC 8785's canonical forms
+        # are the same bytes, so agents of either protocol check the statement alike.
+        "issued_at": int(time.time()),
     }
     return {"statement": statement, "signature": sign(old, statement), "new_signature": sign(new, statement)}
 

@@ -23,11 +23,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from edge_agent import __version__, sysinfo
+from edge_agent import __version__, sysinfo, wire
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.protocol import (
     DELTA_BINARY_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     CloseCode,
     MessageType,
     decode,
@@ -144,13 +145,13 @@ class AgentConnection:
         ) as socket:
             challenge = await self._expect(socket, MessageType.CHALLENGE, timeout=15)
             await socket.send(
-                encode(
-                    MessageType.HELLO,
+                wire.Hello(
                     device_id=self.state.device_id,
                     signature=sign(self.key, hello_payload(nonce=challenge["nonce"], device_id=self.state.device_id)),
+                    protocol=PROTOCOL_VERSION,
                     agent_version=__version__,
                     hardware=sysinfo.hardware_profile(),
-                )
+                ).to_json()
             )
             welcome = await self._expect(socket, MessageType.WELCOME, timeout=15)
             interval = float(welcome.get("heartbeat_interval", self.state.heartbeat_interval))

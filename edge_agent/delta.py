@@ -28,6 +28,7 @@ from safetensors.torch import save as save_safetensors
 
 from edge_agent.protocol import sign
 from edge_agent.safetensors_header import loads_noting_repeats
+from edge_agent.wire import DeltaEnvelope, validated
 
 FORMAT = "fleet-delta"
 ENCODINGS = {"f32": "F32", "f16": "F16", "int8": "I8"}
@@ -159,28 +160,9 @@ def sign_delta(
 
 
 def parse_envelope(candidate: Any) -> dict[str, Any]:
-    """The envelope's fields, type-checked; ValueError naming the first bad field."""
+    """The envelope's fields, checked against ``edge_agent.wire.DeltaEnvelope``; ValueError naming the first bad
+    field. The envelope is returned as sent (the signature is over those values)."""
     if not isinstance(candidate, dict):
         raise ValueError("the envelope must be a JSON object")
-    if candidate.get("purpose") != ENVELOPE_PURPOSE:
-        raise ValueError(f"the envelope's purpose must be {ENVELOPE_PURPOSE!r}")
-    extra = set(candidate) - set(ENVELOPE_FIELDS) - {"purpose"}
-    if extra:
-        raise ValueError(f"unexpected envelope fields: {sorted(extra)}")
-    # Printable: no NUL (PostgreSQL text cannot hold it), no control characters, no lone surrogates (not UTF-8).
-    checks = {
-        "device_id": lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isprintable(),
-        "adapter": lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isprintable(),
-        "base_version": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31,
-        "sha256": lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
-        "size": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**62,
-        "num_samples": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31,
-        "counter": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62,
-        "created_at": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
-    }
-    for field, ok in checks.items():
-        if field not in candidate:
-            raise ValueError(f"the envelope lacks {field!r}")
-        if not ok(candidate[field]):
-            raise ValueError(f"the envelope's {field!r} is not valid")
+    validated(DeltaEnvelope, candidate, what="envelope")
     return dict(candidate)

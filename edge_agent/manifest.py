@@ -29,6 +29,7 @@ from typing import Any
 
 from edge_agent.protocol import public_key_from_b64, verify
 from edge_agent.safetensors_header import file_repeat_refusal
+from edge_agent.wire import Manifest, validated
 
 PURPOSE = "adapter-manifest"
 ROTATION_PURPOSE = "server-key-rotation"
@@ -139,6 +140,10 @@ def verify_manifest(
         ok = False
     if not ok or manifest["purpose"] != PURPOSE:
         raise ManifestRefused("bad_signature", "the manifest is not signed by the server key this device trusts")
+    try:  # every field as the contract defines it (edge_agent.wire.Manifest), the training setting included
+        validated(Manifest, manifest, what="manifest")
+    except ValueError as exc:
+        raise ManifestRefused("malformed", str(exc)) from None
     if manifest["expires_at"] <= now:
         raise ManifestRefused("expired", "the manifest has expired")
     if manifest["device_id"] != device_id:

@@ -1,9 +1,15 @@
 """The agent <-> server wire protocol, defined once here and imported by the server.
 
-Documented for humans in ``edge_agent/PROTOCOL.md``. Messages are JSON objects with a ``type``. Binary
-values (nonces, keys, signatures) are base64url without padding. Everything a device signs is the
-canonical JSON (sorted keys, no spaces, UTF-8) of a dict that names its purpose, so a signature made for
-one purpose can never be replayed as another.
+The specification is ``docs/protocol/README.md``; every message is a typed model in ``edge_agent/wire.py``.
+Messages are JSON objects with a ``type``. Binary values (nonces, keys, signatures) are base64url without
+padding; hashes are lowercase hex. Everything signed is the canonical form of an object that names its
+purpose, so a signature made for one purpose can never be replayed as another.
+
+The canonical form is RFC 8785 (JSON Canonicalization Scheme) from protocol 2 on: the form every language's
+JCS library writes, numbers included (``8.0`` is written ``8``). Protocol 1 signed Python's
+``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False)``, which writes ``8.0`` and ``1e-05``;
+for an object of whole numbers and ASCII text the two forms are the same bytes. The server still accepts
+protocol 1 until ``PROTOCOL_1_ACCEPTED_UNTIL`` (docs/protocol/README.md, "Versions").
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ import json
 import struct
 from typing import Any
 
+import rfc8785
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_PROTOCOLS = (1, 2)  # what this code can verify; the server may stop accepting 1 (its sunset setting)
 # How a device personalizes (the manifest's signed ``personalization.method``; a heartbeat's ``personal.method``).
 PERSONALIZATION_METHODS = ("none", "finetune", "ditto", "private_modules")
 AGENT_WS_PATH = "/ws/agent/"
@@ -49,7 +57,8 @@ class MessageType:
     DELTA_CHUNK = "delta_chunk"  # agent -> server: {sha256, offset, data (base64url, <= DELTA_CHUNK_BYTES)},
     # or a binary frame: see encode_chunk_frame
     DELTA_STATE = "delta_state"  # server -> agent: {sha256, size, offset, delta_id, state, rejection_code, ...}
-    DELTA_ERROR = "delta_error"  # server -> agent: {sha256, code, message}; the socket stays open
+    DELTA_ERROR = "delta_error"  # server -> agent: {sha256, code, message, retry_after}; the socket stays open
+    DELTA_ABORT = "delta_abort"  # agent -> server: {sha256}: forget a begun upload and free its slot
 
 
 class CloseCode:
@@ -61,10 +70,12 @@ class CloseCode:
     HELLO_TIMEOUT = 4408  # no hello within HELLO_TIMEOUT_SECONDS
     REPLACED = 4409  # the same device connected again elsewhere; the older socket is closed
     TOO_LARGE = 4413  # a message above the size limit
+    UPGRADE_REQUIRED = 4426  # a protocol version the server no longer accepts
+    TOO_CHATTY = 4429  # heartbeats far more often than the interval, again and again
     SERVER_RESTART = 1012  # the server is restarting: reconnect with backoff
 
     # Codes after which reconnecting as-is cannot succeed until something changes on the server.
-    WAIT_FOR_OPERATOR = frozenset({NOT_ALLOWED})
+    WAIT_FOR_OPERATOR = frozenset({NOT_ALLOWED, UPGRADE_REQUIRED})
 
 
 def b64encode(data: bytes) -> str:
@@ -81,22 +92,29 @@ def b64decode(text: str, *, limit: int = 4096) -> bytes:
         raise ValueError("not a base64 string") from exc
 
 
-def canonical_json(payload: dict[str, Any]) -> bytes:
+def canonical_json(payload: dict[str, Any], *, protocol: int = PROTOCOL_VERSION) -> bytes:
+    """The bytes that are signed: RFC 8785 from protocol 2 on (ValueError for what it cannot represent exactly:
+    NaN, infinities, whole numbers beyond 2**53), protocol 1's sorted compact JSON before."""
+    if protocol >= 2:
+        try:
+            return rfc8785.dumps(payload)
+        except rfc8785.CanonicalizationError as exc:
+            raise ValueError(f"not canonicalizable (RFC 8785): {exc}") from None
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
-def hello_payload(*, nonce: str, device_id: str) -> dict[str, Any]:
+def hello_payload(*, nonce: str, device_id: str, protocol: int = PROTOCOL_VERSION) -> dict[str, Any]:
     """What a device signs to answer a WebSocket challenge."""
-    return {"purpose": "agent-hello", "nonce": nonce, "device_id": device_id, "protocol": PROTOCOL_VERSION}
+    return {"purpose": "agent-hello", "nonce": nonce, "device_id": device_id, "protocol": protocol}
 
 
-def token_request_payload(*, nonce: str, device_id: str) -> dict[str, Any]:
+def token_request_payload(*, nonce: str, device_id: str, protocol: int = PROTOCOL_VERSION) -> dict[str, Any]:
     """What a device signs to exchange a REST challenge for a short-lived API token."""
-    return {"purpose": "device-token", "nonce": nonce, "device_id": device_id, "protocol": PROTOCOL_VERSION}
+    return {"purpose": "device-token", "nonce": nonce, "device_id": device_id, "protocol": protocol}
 
 
-def sign(private_key: Ed25519PrivateKey, payload: dict[str, Any]) -> str:
-    return b64encode(private_key.sign(canonical_json(payload)))
+def sign(private_key: Ed25519PrivateKey, payload: dict[str, Any], *, protocol: int = PROTOCOL_VERSION) -> str:
+    return b64encode(private_key.sign(canonical_json(payload, protocol=protocol)))
 
 
 def public_key_from_b64(text: str) -> Ed25519PublicKey:
@@ -106,18 +124,37 @@ def public_key_from_b64(text: str) -> Ed25519PublicKey:
     return Ed25519PublicKey.from_public_bytes(raw)
 
 
-def verify(public_key: Ed25519PublicKey, payload: dict[str, Any], signature: str) -> bool:
+def verify(
+    public_key: Ed25519PublicKey,
+    payload: dict[str, Any],
+    signature: str,
+    *,
+    protocols: tuple[int, ...] = SUPPORTED_PROTOCOLS,
+) -> bool:
+    """Whether ``signature`` is over ``payload``'s canonical form of one of ``protocols`` (newest tried first).
+    Accepting either form is safe: both are one JSON text of the same object, so bytes signed in one form
+    cannot mean another object in the other."""
     try:
         raw = b64decode(signature)
     except ValueError:
         return False
     if len(raw) != 64:
         return False
-    try:
-        public_key.verify(raw, canonical_json(payload))
-    except InvalidSignature:
-        return False
-    return True
+    tried: set[bytes] = set()
+    for protocol in sorted(protocols, reverse=True):
+        try:
+            data = canonical_json(payload, protocol=protocol)
+        except ValueError:
+            continue
+        if data in tried:
+            continue
+        tried.add(data)
+        try:
+            public_key.verify(raw, data)
+        except InvalidSignature:
+            continue
+        return True
+    return False
 
 
 def encode(message_type: str, **fields: Any) -> str:
@@ -128,8 +165,10 @@ def decode(text: str | bytes, *, limit: int) -> dict[str, Any]:
     """Parse one message; raises ValueError with a short reason for anything malformed."""
     if isinstance(text, bytes):
         raise ValueError("binary frames are not accepted here")
-    if len(text) > limit:
-        raise OverflowError(f"message of {len(text)} bytes exceeds the {limit}-byte limit")
+    # Limits count UTF-8 bytes, as they travel (a character may take four); a lone surrogate counts as three.
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise OverflowError(f"message of {size} bytes exceeds the {limit}-byte limit")
     try:
         message = json.loads(text)
     except json.JSONDecodeError:

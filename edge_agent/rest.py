@@ -9,7 +9,7 @@ import urllib.request
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_agent.protocol import sign, token_request_payload
+from edge_agent.protocol import PROTOCOL_VERSION, sign, token_request_payload
 
 TOKEN_MARGIN_SECONDS = 60
 
@@ -60,7 +60,7 @@ class DeviceSession:
             answer = self._call(
                 "POST",
                 "/api/v1/device-auth/token/",
-                {"device_id": self.device_id, "nonce": nonce, "signature": signature},
+                {"device_id": self.device_id, "nonce": nonce, "signature": signature, "protocol": PROTOCOL_VERSION},
                 auth=False,
             )
             self._token, self._token_expires = answer["token"], time.time() + answer["expires_in"]

@@ -350,6 +350,14 @@ LOGGING = {
 HEARTBEAT_INTERVAL_SECONDS = env_int("HEARTBEAT_INTERVAL_SECONDS", 30, minimum=1)
 DEVICE_OFFLINE_AFTER_SECONDS = env_int("DEVICE_OFFLINE_AFTER_SECONDS", 95, minimum=2)
 PRESENCE_FLUSH_SECONDS = env_int("PRESENCE_FLUSH_SECONDS", 10, minimum=1)
+# A heartbeat sooner than this share of the interval after the last one recorded on the socket is
+# acknowledged but not recorded (``"recorded": false``); HEARTBEAT_EARLY_LIMIT of them in a row close the
+# socket with 4429 (docs/protocol/README.md, "Heartbeats").
+HEARTBEAT_MIN_SPACING_PERCENT = env_int("HEARTBEAT_MIN_SPACING_PERCENT", 50, minimum=0, maximum=100)
+HEARTBEAT_EARLY_LIMIT = env_int("HEARTBEAT_EARLY_LIMIT", 10, minimum=1)
+# Protocol 1 (signatures over Python's sorted JSON rather than RFC 8785) is accepted until the end of this
+# day (UTC); afterwards a device must speak protocol 2 (docs/protocol/README.md, "Versions").
+PROTOCOL_1_ACCEPTED_UNTIL = env_str("PROTOCOL_1_ACCEPTED_UNTIL", "2027-06-30")
 # Each device keeps at most this many personalization reports (its personal against the shared accuracy);
 # older ones are deleted as new ones arrive (devices.personalization).
 PERSONALIZATION_HISTORY = env_int("PERSONALIZATION_HISTORY", 200, minimum=1, maximum=100_000)

@@ -243,7 +243,7 @@ def device_token(db):
         client = APIClient()
         nonce = client.post("/api/v1/device-auth/challenge/", {"device_id": device.id}, format="json").json()["nonce"]
         signature = sign(device.key, token_request_payload(nonce=nonce, device_id=device.id))
-        body = {"device_id": device.id, "nonce": nonce, "signature": signature}
+        body = {"device_id": device.id, "nonce": nonce, "signature": signature, "protocol": 2}
         return client.post("/api/v1/device-auth/token/", body, format="json").json()["token"]
 
     return make

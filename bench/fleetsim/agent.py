@@ -9,7 +9,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from edge_agent.protocol import MAX_MESSAGE_BYTES, MessageType, decode, encode, hello_payload, sign
+from edge_agent.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, MessageType, decode, encode, hello_payload, sign
 
 AGENT_VERSION = "bench-1"
 HARDWARE = {"ram_mb": 4096, "cpu": "bench", "accelerator": "none", "os": "linux"}
@@ -105,6 +105,7 @@ async def handshake(
                     MessageType.HELLO,
                     device_id=device_id,
                     signature=sign(key, hello_payload(nonce=challenge["nonce"], device_id=device_id)),
+                    protocol=PROTOCOL_VERSION,
                     agent_version=agent_version,
                     hardware=HARDWARE if hardware is None else hardware,
                 )

@@ -37,6 +37,7 @@ from edge_agent.connection import Backoff
 from edge_agent.protocol import (
     DELTA_BINARY_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     MessageType,
     b64encode,
     canonical_json,
@@ -338,7 +339,12 @@ class IngestAgent:
                 base,
                 "POST",
                 "/api/v1/device-auth/token/",
-                json_body={"device_id": self.device_id, "nonce": nonce, "signature": signature},
+                json_body={
+                    "device_id": self.device_id,
+                    "nonce": nonce,
+                    "signature": signature,
+                    "protocol": PROTOCOL_VERSION,
+                },
             )
             if answer.status != 200:
                 raise RuntimeError(f"token {answer.status} {answer.error_code}")

@@ -199,6 +199,9 @@ class TokenRequestSerializer(StrictTypesMixin, serializers.Serializer):
     device_id = serializers.UUIDField()
     nonce = serializers.CharField(max_length=128)
     signature = serializers.CharField(max_length=128)
+    protocol = serializers.IntegerField(
+        min_value=1, max_value=2, required=False, help_text="the protocol the signature was made for (absent: 1)"
+    )
 
 
 class TokenResponseSerializer(serializers.Serializer):

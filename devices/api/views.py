@@ -243,6 +243,7 @@ class DeviceTokenView(_PublicDeviceEndpoint):
             device_id=data.validated_data["device_id"],
             nonce=data.validated_data["nonce"],
             signature=data.validated_data["signature"],
+            protocol=data.validated_data.get("protocol"),
         )
         return Response({"token": issued.token, "expires_in": issued.expires_in})
 

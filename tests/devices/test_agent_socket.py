@@ -29,7 +29,9 @@ async def open_socket() -> tuple[WebsocketCommunicator, dict]:
 
 async def hello(communicator, challenge, device_id: str, key: Ed25519PrivateKey, nonce: str | None = None):
     signature = sign(key, hello_payload(nonce=nonce or challenge["nonce"], device_id=device_id))
-    await communicator.send_to(text_data=encode("hello", device_id=device_id, signature=signature, agent_version="9.9"))
+    await communicator.send_to(
+        text_data=encode("hello", device_id=device_id, signature=signature, agent_version="9.9", protocol=2)
+    )
 
 
 async def expect_refusal(communicator, close_code: int, error_code: str | None = None) -> dict:

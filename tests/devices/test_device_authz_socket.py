@@ -69,7 +69,7 @@ def test_hellos_claiming_another_device_are_refused(enrolled, device_token):
         other, other_challenge = await open_socket()
         answered = sign(bravo.key, hello_payload(nonce=other_challenge["nonce"], device_id=bravo.id))
         socket, _ = await open_socket()
-        await socket.send_to(text_data=encode("hello", device_id=bravo.id, signature=answered))
+        await socket.send_to(text_data=encode("hello", device_id=bravo.id, signature=answered, protocol=2))
         await expect_refusal(socket, CloseCode.AUTH_FAILED, "auth_failed")
         await other.disconnect()
         # bravo's token in the handshake's headers does not stand in for a signature

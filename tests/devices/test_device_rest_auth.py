@@ -16,7 +16,7 @@ def challenge(device_id: str) -> str:
 
 def exchange(device_id: str, nonce: str, key):
     signature = sign(key, token_request_payload(nonce=nonce, device_id=device_id))
-    body = {"device_id": device_id, "nonce": nonce, "signature": signature}
+    body = {"device_id": device_id, "nonce": nonce, "signature": signature, "protocol": 2}
     return APIClient().post("/api/v1/device-auth/token/", body, format="json")
 
 

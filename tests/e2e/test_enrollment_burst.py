@@ -94,7 +94,7 @@ def test_twenty_devices_enrolling_at_once_on_a_fresh_data_folder_all_pin_the_one
             code, token = _post(
                 api.base,
                 "/device-auth/token/",
-                {"device_id": body["device_id"], "nonce": challenge["nonce"], "signature": signature},
+                {"device_id": body["device_id"], "nonce": challenge["nonce"], "signature": signature, "protocol": 2},
             )
             assert code == 200 and token["token"], token
         assert not [line for line in output.lines if "ImproperlyConfigured" in line or "Traceback" in line]

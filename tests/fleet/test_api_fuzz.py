@@ -104,7 +104,8 @@ def device_headers(fleet, enrolled):
     device = enrolled()
     nonce = rest_challenge_create(device_id=device.id)
     signature = sign(device.key, token_request_payload(nonce=nonce, device_id=device.id))
-    return {"Authorization": f"Device {rest_token_issue(device_id=device.id, nonce=nonce, signature=signature).token}"}
+    issued = rest_token_issue(device_id=device.id, nonce=nonce, signature=signature, protocol=2)
+    return {"Authorization": f"Device {issued.token}"}
 
 
 def _excluded_checks(case) -> list:

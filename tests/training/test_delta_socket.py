@@ -11,6 +11,7 @@ from edge_agent.delta import encode_delta, sign_delta
 from edge_agent.protocol import (
     DELTA_CHUNK_BYTES,
     MAX_BINARY_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     b64encode,
     encode,
     encode_chunk_frame,
@@ -38,7 +39,9 @@ async def connected(device):
     assert (await communicator.connect(timeout=5))[0]
     challenge = await communicator.receive_json_from(timeout=5)
     signature = sign(device.key, hello_payload(nonce=challenge["nonce"], device_id=device.id))
-    await communicator.send_to(text_data=encode("hello", device_id=device.id, signature=signature))
+    await communicator.send_to(
+        text_data=encode("hello", device_id=device.id, signature=signature, protocol=PROTOCOL_VERSION)
+    )
     assert (await communicator.receive_json_from(timeout=5))["type"] == "welcome"
     return communicator
 

@@ -13,7 +13,7 @@ from django.utils import timezone
 from devices.models import Device
 from devices.server_key import server_public_key_b64
 from edge_agent.manifest import verify_manifest
-from edge_agent.protocol import encode, hello_payload, sign
+from edge_agent.protocol import PROTOCOL_VERSION, encode, hello_payload, sign
 from fleet.asgi import application
 from training.models import Assignment, Rollout, TrainingEvent
 from training.registry.services import version_create_seeded
@@ -205,7 +205,9 @@ def test_a_device_gets_its_assignment_pushed_when_connected_and_at_hello_when_it
         await communicator.connect(timeout=5)
         challenge = await communicator.receive_json_from(timeout=5)
         signature = sign(device.key, hello_payload(nonce=challenge["nonce"], device_id=device.id))
-        await communicator.send_to(text_data=encode("hello", device_id=device.id, signature=signature))
+        await communicator.send_to(
+            text_data=encode("hello", device_id=device.id, signature=signature, protocol=PROTOCOL_VERSION)
+        )
         assert (await communicator.receive_json_from(timeout=5))["type"] == "welcome"
         return communicator
 

@@ -12,7 +12,12 @@ def assignment_message(assignment: Assignment) -> dict:
     version = assignment.version
     return {
         "assignment_id": assignment.pk,
-        "envelope": manifest_sign(device_id=str(assignment.device_id), version=version, assignment_seq=assignment.seq),
+        "envelope": manifest_sign(
+            device_id=str(assignment.device_id),
+            version=version,
+            assignment_seq=assignment.seq,
+            protocol=assignment.device.protocol,
+        ),
         "download_path": reverse("device-blob", kwargs={"sha256": version.blob_sha256}),
         "base_model": {
             "sha256": version.adapter.base_model.weights_sha256,
@@ -36,4 +41,4 @@ def current_assignment(device_id) -> Assignment | None:
     )
     if pending is None:
         return None
-    return Assignment.objects.select_related("version__adapter__base_model").filter(pk=pending).first()
+    return Assignment.objects.select_related("version__adapter__base_model", "device").filter(pk=pending).first()

@@ -220,7 +220,9 @@ def deliver(assignment_id: int) -> bool:
     """Push an assignment to its device if it is connected; otherwise it is picked up at the next hello."""
     from training.rollouts.delivery import assignment_message
 
-    assignment = Assignment.objects.select_related("version__adapter__base_model").filter(pk=assignment_id).first()
+    assignment = (
+        Assignment.objects.select_related("version__adapter__base_model", "device").filter(pk=assignment_id).first()
+    )
     if assignment is None or assignment.state not in ACTIVE:
         return False
     return device_command(

@@ -6,7 +6,7 @@ import time
 
 from devices.server_key import key_rotations, server_private_key
 from edge_agent.manifest import PURPOSE
-from edge_agent.protocol import sign
+from edge_agent.protocol import PROTOCOL_VERSION, sign
 from training.registry.personalization_settings import personalization_settings
 
 MANIFEST_LIFETIME_SECONDS = 7 * 24 * 3600
@@ -31,7 +31,17 @@ def training_config(adapter) -> dict:
     }
 
 
-def manifest_sign(*, device_id: str, version, assignment_seq: int, lifetime: int = MANIFEST_LIFETIME_SECONDS) -> dict:
+def manifest_sign(
+    *,
+    device_id: str,
+    version,
+    assignment_seq: int,
+    lifetime: int = MANIFEST_LIFETIME_SECONDS,
+    protocol: int = PROTOCOL_VERSION,
+) -> dict:
+    """The signed manifest envelope (``edge_agent.wire.ManifestEnvelope``), signed in the canonical form of the
+    ``protocol`` the device speaks (``Device.protocol``): a protocol-1 agent checks Python's sorted JSON, which
+    writes the training setting's floats differently from RFC 8785."""
     issued = time.time()
     manifest = {
         "purpose": PURPOSE,
@@ -46,7 +56,7 @@ def manifest_sign(*, device_id: str, version, assignment_seq: int, lifetime: int
         "expires_at": round(issued + lifetime, 3),
         "training": training_config(version.adapter),
     }
-    envelope = {"manifest": manifest, "signature": sign(server_private_key(), manifest)}
+    envelope = {"manifest": manifest, "signature": sign(server_private_key(), manifest, protocol=protocol)}
     rotations = key_rotations()
     if rotations:  # how a device that pinned an older server key comes to trust the one that signed this
         envelope["key_rotations"] = rotations

@@ -1,0 +1,519 @@
+"""Every message of the device protocol as a typed model: the one definition the server validates what it
+receives with, the agent builds what it sends with, and the generated documents come from (JSON Schema and
+AsyncAPI in ``docs/protocol/``, written by ``manage.py protocol_docs``; the specification a team implements
+from is ``docs/protocol/README.md``).
+
+pydantic v2 rather than msgspec: its JSON Schema output (2020-12, with every bound and description) is what
+the documents are generated from, and its errors name the field's path, which the server sends back to a
+client that got a message wrong. Strict mode throughout: ``true`` is not a number, ``1.0`` is not a whole
+number and ``"1"`` is neither, as a client in any language would expect of a contract.
+
+Transport messages ignore fields they do not define (a newer peer may add some); the signed objects a device
+makes (the hello, the token request, the delta envelope) refuse any field they do not define, since every byte of
+them is signed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
+
+from edge_agent.protocol import (
+    DELTA_CHUNK_BYTES,
+    PERSONALIZATION_METHODS,
+    PROTOCOL_VERSION,
+    SUPPORTED_PROTOCOLS,
+    MessageType,
+    encode,
+)
+
+# JSON numbers every language reads exactly: whole numbers within IEEE-754 doubles' exact range (RFC 8785).
+MAX_SAFE_INTEGER = 2**53 - 1
+EARLIEST_TIME = 946684800.0  # 2000-01-01T00:00:00Z: an epoch-seconds time before it is a broken clock
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+Sha256Hex = Annotated[
+    str, StringConstraints(pattern=r"^[0-9a-f]{64}$"), Field(description="sha256, 64 lowercase hex digits")
+]
+Base64Url = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9_-]*$", max_length=4096),
+    Field(description="bytes as base64url without padding (RFC 4648 section 5)"),
+]
+Signature = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$"),
+    Field(description="Ed25519 signature (64 bytes) as base64url without padding: 86 characters"),
+]
+PublicKey = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9_-]{43}$"),
+    Field(description="Ed25519 public key (32 bytes) as base64url without padding: 43 characters"),
+]
+Nonce = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9_-]{43}$"),
+    Field(description="32 random bytes as base64url without padding: 43 characters"),
+]
+DeviceId = Annotated[
+    str,
+    StringConstraints(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"),
+    Field(description="the device's id: a UUID in lowercase hex with hyphens"),
+]
+AdapterName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[-a-zA-Z0-9_]{1,64}$"),
+    Field(description="an adapter's name (not its id): letters, digits, - and _, 1 to 64 characters"),
+]
+Whole = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
+Positive = Annotated[int, Field(ge=1, le=2**31 - 1)]
+Number = Annotated[float, AfterValidator(_finite), Field(description="a finite JSON number")]
+EpochSeconds = Annotated[
+    float,
+    AfterValidator(_finite),
+    Field(ge=EARLIEST_TIME, le=32503680000.0, description="a time in seconds since 1970-01-01T00:00:00Z (UTC)"),
+]
+MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")]
+Metrics = Annotated[
+    dict[MetricName, Number],
+    Field(
+        max_length=32,
+        description="at most 32 named finite numbers (a name: a letter or _, then up to 63 of A-Z a-z 0-9 _ . : -)",
+    ),
+]
+
+
+class _Model(BaseModel):
+    def to_dict(self) -> dict[str, Any]:
+        """The object as JSON-ready data, field names as they travel."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class _Message(_Model):
+    """A transport message: fields it does not define are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    def to_json(self) -> str:
+        """The message as one text frame."""
+        return encode(self.type, **self.model_dump(mode="json", by_alias=True, exclude={"type"}))
+
+
+class _Signed(_Model):
+    """An object a device signs: every field it has is signed, so one it does not define is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# --- signed objects -------------------------------------------------------------------------------------------
+
+
+class HelloPayload(_Signed):
+    """What a device signs to answer the socket's challenge (never sent itself: the server rebuilds it)."""
+
+    purpose: Literal["agent-hello"] = "agent-hello"
+    nonce: Nonce
+    device_id: DeviceId
+    protocol: Literal[1, 2] = Field(description="the protocol the device speaks; it selects the canonical form")
+
+
+class TokenPayload(_Signed):
+    """What a device signs to exchange a REST challenge for a short-lived token."""
+
+    purpose: Literal["device-token"] = "device-token"
+    nonce: Nonce
+    device_id: DeviceId
+    protocol: Literal[1, 2]
+
+
+class DeltaEnvelope(_Signed):
+    """What a device signs for each delta it uploads."""
+
+    purpose: Literal["delta-upload"] = "delta-upload"
+    device_id: DeviceId
+    adapter: AdapterName
+    base_version: Positive = Field(description="the number of the shared version the delta was trained from")
+    sha256: Sha256Hex = Field(description="sha256 of the whole delta file")
+    size: Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER, description="the delta file's size in bytes")]
+    num_samples: Positive = Field(description="how many samples the device trained on")
+    counter: Whole = Field(description="unused by this device before (each counter counts once)")
+    created_at: EpochSeconds
+
+
+# --- socket: agent -> server ----------------------------------------------------------------------------------
+
+
+class Hello(_Message):
+    type: Literal["hello"] = "hello"
+    device_id: DeviceId
+    signature: Signature = Field(description="over the canonical form of HelloPayload")
+    protocol: Literal[1, 2] = Field(
+        default=1, description="the protocol the signature was made for (absent: 1, the only one before 2)"
+    )
+    agent_version: Annotated[str, StringConstraints(max_length=32)] = ""
+    hardware: Annotated[dict[str, str | int | float | bool | None], Field(max_length=16)] = Field(default_factory=dict)
+
+
+class Personal(_Message):
+    """The device's latest measurement of its own model against the shared version, on its local held-out slice."""
+
+    adapter: AdapterName
+    version: Positive = Field(description="the shared version installed and measured")
+    method: Literal[PERSONALIZATION_METHODS]  # type: ignore[valid-type]
+    serving: Literal["personal", "shared"]
+    shared_accuracy: Annotated[Number, Field(ge=0, le=1)]
+    personal_accuracy: Annotated[Number, Field(ge=0, le=1)]
+    val_samples: Annotated[int, Field(ge=0, le=10**9)]
+    trained_samples: Annotated[int, Field(ge=0, le=10**9)]
+    updated_at: EpochSeconds = Field(description="when it was measured; at most a day ahead of the server's clock")
+
+
+class HeartbeatState(_Message):
+    """A heartbeat's fields: ``POST /api/v1/device/heartbeat/``'s body, and the socket's heartbeat with its type."""
+
+    seq: Whole = Field(description="counts up from 1 on each connection; echoed by heartbeat_ack")
+
+    battery: Annotated[Number, Field(ge=0, le=100)] | None = Field(default=None, description="percent, or null")
+    charging: bool | None = None
+    free_memory_mb: Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)] | None = Field(
+        default=None, description="MiB, or null"
+    )
+    metrics: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], Number], Field(max_length=32)] = Field(
+        default_factory=dict, description="at most 32 named finite numbers (names up to 64 characters)"
+    )
+    personal: Personal | None = None
+
+
+class Heartbeat(HeartbeatState):
+    type: Literal["heartbeat"] = "heartbeat"
+
+
+class Ack(_Message):
+    type: Literal["ack"] = "ack"
+    id: Annotated[str, StringConstraints(max_length=64)] = Field(description="the command's id")
+    ok: bool
+    detail: Annotated[str, StringConstraints(max_length=500)] | None = None
+
+
+class DeltaBegin(_Message):
+    type: Literal["delta_begin"] = "delta_begin"
+    envelope: DeltaEnvelope
+    signature: Signature = Field(description="over the canonical form of the envelope")
+    metrics: Metrics = Field(default_factory=dict)
+
+
+class DeltaChunk(_Message):
+    type: Literal["delta_chunk"] = "delta_chunk"
+    sha256: Sha256Hex
+    offset: Whole = Field(description="where these bytes go: exactly the offset the server last answered")
+    data: Annotated[
+        str,
+        StringConstraints(pattern=r"^[A-Za-z0-9_-]*$", max_length=(DELTA_CHUNK_BYTES * 4 + 2) // 3),
+        Field(description=f"at most {DELTA_CHUNK_BYTES} bytes of the file as base64url without padding"),
+    ]
+
+
+class DeltaAbort(_Message):
+    type: Literal["delta_abort"] = "delta_abort"
+    sha256: Sha256Hex
+
+
+class ChunkFrameHeader(_Signed):
+    """The JSON header of a binary chunk frame (``FPD1``, 2-byte big-endian length, this header, the bytes)."""
+
+    offset: Whole
+    sha256: Sha256Hex
+
+
+AgentMessage = Annotated[Hello | Heartbeat | Ack | DeltaBegin | DeltaChunk | DeltaAbort, Field(discriminator="type")]
+
+
+# --- socket: server -> agent ----------------------------------------------------------------------------------
+
+
+class Challenge(_Message):
+    type: Literal["challenge"] = "challenge"
+    nonce: Nonce
+    protocol: int = Field(description="the newest protocol the server speaks")
+    protocols: list[int] = Field(
+        default_factory=lambda: list(SUPPORTED_PROTOCOLS), description="every protocol the server accepts"
+    )
+    server_time: EpochSeconds
+
+
+class Welcome(_Message):
+    type: Literal["welcome"] = "welcome"
+    device_id: DeviceId
+    status: Literal["active"]
+    cohort: str
+    heartbeat_interval: Annotated[int, Field(ge=1, description="seconds between heartbeats")]
+    protocol: Literal[1, 2] = Field(default=PROTOCOL_VERSION, description="the protocol of this session")
+    server_time: EpochSeconds
+
+
+class HeartbeatAck(_Message):
+    type: Literal["heartbeat_ack"] = "heartbeat_ack"
+    seq: Whole
+    server_time: EpochSeconds
+    recorded: bool = Field(
+        default=True, description="false when the heartbeat came sooner than half the interval and was not recorded"
+    )
+
+
+class PersonalizationSetting(_Message):
+    method: Literal[PERSONALIZATION_METHODS]  # type: ignore[valid-type]
+    lambda_: Annotated[Number, Field(gt=0, alias="lambda")] = Field(alias="lambda")
+    private_modules: list[str]
+    epochs: Annotated[int, Field(ge=1, le=100)]
+    lr: Annotated[Number, Field(gt=0)]
+    margin: Annotated[Number, Field(ge=0, le=1)]
+    min_val_samples: Annotated[int, Field(ge=0, le=10000)]
+    release_classes: bool
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True)
+
+
+class TrainingConfig(_Message):
+    """How to build and train the adapter, signed with the manifest."""
+
+    family: str
+    family_config: dict[str, Any]
+    rank: Positive
+    alpha: Number
+    dropout: Annotated[Number, Field(ge=0, lt=1)]
+    target_modules: list[str]
+    modules_to_save: list[str]
+    ffa: bool
+    personalization: PersonalizationSetting
+
+
+class Manifest(_Message):
+    """What the server signs for each assignment: the version a device should run."""
+
+    purpose: Literal["adapter-manifest"] = "adapter-manifest"
+    device_id: DeviceId
+    adapter: AdapterName
+    version: Positive
+    sha256: Sha256Hex = Field(description="sha256 of the adapter file")
+    size: Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
+    base_model_sha256: Sha256Hex
+    assignment_seq: Positive = Field(description="above every earlier manifest's for this device")
+    issued_at: EpochSeconds
+    expires_at: EpochSeconds
+    training: TrainingConfig | None = None
+
+
+class KeyRotationStatement(_Message):
+    purpose: Literal["server-key-rotation"] = "server-key-rotation"
+    seq: Positive
+    old_public_key: PublicKey
+    new_public_key: PublicKey
+    issued_at: EpochSeconds
+
+
+class KeyRotationLink(_Message):
+    statement: KeyRotationStatement
+    signature: Signature = Field(description="by the old key")
+    new_signature: Signature = Field(description="by the new key")
+
+
+class ManifestEnvelope(_Message):
+    manifest: Manifest
+    signature: Signature = Field(description="by the server key, over the manifest's canonical form")
+    key_rotations: list[KeyRotationLink] = Field(default_factory=list, description="oldest first; absent: none")
+
+
+class BlobRef(_Message):
+    sha256: Sha256Hex
+    size: Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
+    download_path: str
+
+
+class AssignmentMessage(_Message):
+    """The ``assignment`` command's args, and ``GET /api/v1/device/assignment/``'s body."""
+
+    assignment_id: Positive
+    envelope: ManifestEnvelope
+    download_path: str
+    base_model: BlobRef
+
+
+class DeltaResult(_Message):
+    """The ``delta_result`` command's args: the verification outcome of one delta."""
+
+    sha256: Sha256Hex
+    delta_id: Positive
+    state: Literal["accepted", "rejected", "aggregated"]
+    code: str = Field(description="the rejection code; empty when accepted")
+    detail: str
+
+
+class AssignmentCommand(_Message):
+    type: Literal["command"] = "command"
+    id: str = Field(description="assignment-<assignment_id>: the same id every time it is sent")
+    command: Literal["assignment"]
+    args: AssignmentMessage
+
+
+class DeltaResultCommand(_Message):
+    type: Literal["command"] = "command"
+    id: str = Field(description="delta-<delta_id>: the same id every time it is sent")
+    command: Literal["delta_result"]
+    args: DeltaResult
+
+
+class Error(_Message):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+class DeltaState(_Message):
+    type: Literal["delta_state"] = "delta_state"
+    sha256: Sha256Hex
+    size: Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
+    offset: Whole = Field(description="the bytes the server holds: continue from here")
+    delta_id: Positive | None
+    state: Literal["uploading", "received", "accepted", "rejected", "aggregated", "aborted"]
+    rejection_code: str
+    rejection_detail: str
+
+
+class DeltaError(_Message):
+    type: Literal["delta_error"] = "delta_error"
+    sha256: str | None
+    code: str
+    message: str
+    retry_after: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="seconds to wait before the next delta_begin (rate limits only)"
+    )
+
+
+# --- REST payloads of devices ---------------------------------------------------------------------------------
+
+
+class EnrollRequest(_Message):
+    token: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    public_key: PublicKey
+    name: Annotated[str, StringConstraints(max_length=100)] = ""
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    agent_version: Annotated[str, StringConstraints(max_length=32)] = ""
+
+
+class EnrollResponse(_Message):
+    device_id: DeviceId
+    status: Literal["active", "pending"]
+    cohort: str
+    server_public_key: PublicKey
+    websocket_path: str
+    heartbeat_interval: Annotated[int, Field(ge=1)]
+
+
+class DeviceChallengeRequest(_Message):
+    device_id: DeviceId
+
+
+class DeviceChallenge(_Message):
+    nonce: Nonce
+    expires_in: Annotated[int, Field(ge=1, description="seconds")]
+
+
+class DeviceTokenRequest(_Message):
+    device_id: DeviceId
+    nonce: Nonce
+    signature: Signature = Field(description="over the canonical form of TokenPayload")
+    protocol: Literal[1, 2] = 1
+
+
+class DeviceToken(_Message):
+    token: str
+    expires_in: Annotated[int, Field(ge=1, description="seconds")]
+
+
+class AssignmentReport(_Message):
+    status: Literal["delivered", "installed", "failed"]
+    reason: Annotated[str, StringConstraints(max_length=300)] = ""
+    metrics: Annotated[dict[str, Number], Field(max_length=32)] = Field(default_factory=dict)
+
+
+ServerCommand = Annotated[AssignmentCommand | DeltaResultCommand, Field(discriminator="command")]
+
+SOCKET_AGENT_MESSAGES: tuple[type[_Message], ...] = (Hello, Heartbeat, Ack, DeltaBegin, DeltaChunk, DeltaAbort)
+SOCKET_SERVER_MESSAGES: tuple[type[_Message], ...] = (
+    Challenge,
+    Welcome,
+    HeartbeatAck,
+    AssignmentCommand,
+    DeltaResultCommand,
+    DeltaState,
+    DeltaError,
+    Error,
+)
+SIGNED_OBJECTS: tuple[type[BaseModel], ...] = (
+    HelloPayload,
+    TokenPayload,
+    DeltaEnvelope,
+    Manifest,
+    KeyRotationStatement,
+)
+REST_PAYLOADS: tuple[type[_Message], ...] = (
+    EnrollRequest,
+    EnrollResponse,
+    DeviceChallengeRequest,
+    DeviceChallenge,
+    DeviceTokenRequest,
+    DeviceToken,
+    HeartbeatState,
+    AssignmentReport,
+    AssignmentMessage,
+)
+OTHER_OBJECTS: tuple[type[BaseModel], ...] = (ManifestEnvelope, KeyRotationLink, DeltaResult, ChunkFrameHeader)
+
+_AGENT_MESSAGE = TypeAdapter(AgentMessage)
+_AGENT_TYPES = {model.model_fields["type"].default for model in SOCKET_AGENT_MESSAGES}
+assert {MessageType.HELLO, MessageType.DELTA_ABORT} <= _AGENT_TYPES
+
+
+def problem(exc: ValidationError, *, prefix: str = "", skip: int = 0) -> str:
+    """The first thing wrong with a message, naming the field's path (its first ``skip`` parts left out: a
+    union's tag), for the peer that sent it."""
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in error["loc"][skip:] if not str(part).startswith("function-"))
+    return f"{prefix}{where}: {error['msg']}" if where else f"{prefix}{error['msg']}"
+
+
+def agent_message(message: dict) -> _Message:
+    """A decoded message from an agent as its model; ValueError naming the bad field (and the type, when it
+    is not one an agent sends)."""
+    kind = message.get("type")
+    if kind not in _AGENT_TYPES:
+        raise ValueError(f"unknown message type {kind!r}")
+    try:
+        return _AGENT_MESSAGE.validate_python(message)
+    except ValidationError as exc:
+        raise ValueError(problem(exc, prefix=f"{kind}: ", skip=1)) from None
+
+
+def validated(model: type[BaseModel], value: Any, *, what: str = "") -> BaseModel:
+    """``value`` as ``model``; ValueError naming the bad field."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise ValueError(problem(exc, prefix=f"{what}: " if what else "")) from None
