@@ -2,7 +2,7 @@
 
 A device trains a personal model beside the shared version (how: the adapter's personalization setting,
 signed into its manifest) and measures both on a held-out slice of its own data. Its heartbeat carries the
-latest measurement (edge_agent/PROTOCOL.md, "Personal figures"); heartbeats repeat it until the next one, so
+latest measurement (docs/protocol/README.md, "Heartbeats"); heartbeats repeat it until the next one, so
 only a measurement newer than the device's last stored one is written (``devices.presence`` answers that from
 Redis on the heartbeat's own round trip; this module checks again in the database). Each device keeps at most
 ``PERSONALIZATION_HISTORY`` reports.

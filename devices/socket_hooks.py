@@ -6,7 +6,7 @@ delta uploads it sends belong to training. Training registers its handlers here 
 (``training.apps``), so no module of ``devices`` imports ``training``.
 
 Each upload handler returns the message to send back as ``(type, fields)``: ``delta_state`` with where the
-upload stands, or ``delta_error`` with the refusal's code and message (edge_agent/PROTOCOL.md, "Deltas").
+upload stands, or ``delta_error`` with the refusal's code and message (docs/protocol/README.md, "Delta uploads").
 """
 
 from __future__ import annotations

@@ -15,11 +15,9 @@ them is signed.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -40,12 +38,6 @@ from edge_agent.protocol import (
 # JSON numbers every language reads exactly: whole numbers within IEEE-754 doubles' exact range (RFC 8785).
 MAX_SAFE_INTEGER = 2**53 - 1
 EARLIEST_TIME = 946684800.0  # 2000-01-01T00:00:00Z: an epoch-seconds time before it is a broken clock
-
-
-def _finite(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError("must be a finite number")
-    return value
 
 
 Sha256Hex = Annotated[
@@ -83,11 +75,15 @@ AdapterName = Annotated[
 ]
 Whole = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
 Positive = Annotated[int, Field(ge=1, le=2**31 - 1)]
-Number = Annotated[float, AfterValidator(_finite), Field(description="a finite JSON number")]
+Number = Annotated[float, Field(allow_inf_nan=False, description="a finite JSON number")]
 EpochSeconds = Annotated[
     float,
-    AfterValidator(_finite),
-    Field(ge=EARLIEST_TIME, le=32503680000.0, description="a time in seconds since 1970-01-01T00:00:00Z (UTC)"),
+    Field(
+        ge=EARLIEST_TIME,
+        le=32503680000.0,
+        allow_inf_nan=False,
+        description="a time in seconds since 1970-01-01T00:00:00Z (UTC)",
+    ),
 ]
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")]
 Metrics = Annotated[
@@ -491,12 +487,12 @@ _AGENT_TYPES = {model.model_fields["type"].default for model in SOCKET_AGENT_MES
 assert {MessageType.HELLO, MessageType.DELTA_ABORT} <= _AGENT_TYPES
 
 
-def problem(exc: ValidationError, *, prefix: str = "", skip: int = 0) -> str:
-    """The first thing wrong with a message, naming the field's path (its first ``skip`` parts left out: a
-    union's tag), for the peer that sent it."""
+def problem(exc: ValidationError, *, what: str = "", skip: int = 0) -> str:
+    """The first thing wrong with a message, as ``what.path.to.field: what is wrong`` (the path's first ``skip``
+    parts left out: a union's tag), for the peer that sent it."""
     error = exc.errors(include_url=False)[0]
-    where = ".".join(str(part) for part in error["loc"][skip:] if not str(part).startswith("function-"))
-    return f"{prefix}{where}: {error['msg']}" if where else f"{prefix}{error['msg']}"
+    where = ".".join([*([what] if what else []), *(str(part) for part in error["loc"][skip:])])
+    return f"{where}: {error['msg']}" if where else error["msg"]
 
 
 def agent_message(message: dict) -> _Message:
@@ -508,7 +504,7 @@ def agent_message(message: dict) -> _Message:
     try:
         return _AGENT_MESSAGE.validate_python(message)
     except ValidationError as exc:
-        raise ValueError(problem(exc, prefix=f"{kind}: ", skip=1)) from None
+        raise ValueError(problem(exc, what=kind, skip=1)) from None
 
 
 def validated(model: type[BaseModel], value: Any, *, what: str = "") -> BaseModel:
@@ -516,4 +512,4 @@ def validated(model: type[BaseModel], value: Any, *, what: str = "") -> BaseMode
     try:
         return model.model_validate(value)
     except ValidationError as exc:
-        raise ValueError(problem(exc, prefix=f"{what}: " if what else "")) from None
+        raise ValueError(problem(exc, what=what)) from None

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -117,6 +118,11 @@ def _schemas() -> dict[str, dict]:
 def _all_models():
     return (*wire.SOCKET_AGENT_MESSAGES, *wire.SOCKET_SERVER_MESSAGES, *wire.SIGNED_OBJECTS, *wire.REST_PAYLOADS,
             *wire.OTHER_OBJECTS)  # fmt: skip
+
+
+@functools.cache
+def components() -> dict[str, dict]:
+    return _components()
 
 
 def _components() -> dict[str, dict]:
@@ -227,18 +233,35 @@ def _bounds(schema: dict) -> str:
     return ", ".join(parts)
 
 
-def _fields_table(schema: dict) -> list[str]:
+def field_rows(schema: dict) -> list[tuple[str, str, str, str, str]]:
+    """A model's fields as (name, type, required, bounds, meaning), types written as ``reference.md`` writes them."""
     required = set(schema.get("required", []))
-    lines = ["| field | type | required | bounds | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows = []
     for name, prop in schema.get("properties", {}).items():
         default = ""
         if name not in required and "default" in prop:
             default = f" (default `{json.dumps(prop['default'])}`)"
-        meaning = (prop.get("description") or "").replace("|", "\\|").replace("\n", " ")
-        bounds = _bounds(prop).replace("|", "\\|")
         needed = "yes" if name in required else "no" + default
-        lines.append(f"| `{name}` | {_type_of(prop)} | {needed} | {bounds} | {meaning} |")
+        rows.append((name, _type_of(prop), needed, _bounds(prop), " ".join((prop.get("description") or "").split())))
+    return rows
+
+
+def _fields_table(schema: dict) -> list[str]:
+    lines = ["| field | type | required | bounds | meaning |", "| --- | --- | --- | --- | --- |"]
+    for name, kind, needed, bounds, meaning in field_rows(schema):
+        bounds, meaning = bounds.replace("|", "\\|"), meaning.replace("|", "\\|")
+        lines.append(f"| `{name}` | {kind} | {needed} | {bounds} | {meaning} |")
     return lines
+
+
+def message_groups() -> tuple[tuple[str, tuple], ...]:
+    return (
+        ("Socket: agent → server", wire.SOCKET_AGENT_MESSAGES),
+        ("Socket: server → agent", wire.SOCKET_SERVER_MESSAGES),
+        ("Signed objects", wire.SIGNED_OBJECTS),
+        ("REST payloads of devices", wire.REST_PAYLOADS),
+        ("Other objects", wire.OTHER_OBJECTS),
+    )
 
 
 def reference() -> str:
@@ -255,15 +278,8 @@ def reference() -> str:
         "are never numbers. Transport messages ignore fields they do not define; signed device objects refuse them.",
         "",
     ]
-    groups = (
-        ("Socket: agent → server", wire.SOCKET_AGENT_MESSAGES),
-        ("Socket: server → agent", wire.SOCKET_SERVER_MESSAGES),
-        ("Signed objects", wire.SIGNED_OBJECTS),
-        ("REST payloads of devices", wire.REST_PAYLOADS),
-        ("Other objects", wire.OTHER_OBJECTS),
-    )
     shown = set()
-    for title, models in groups:
+    for title, models in message_groups():
         out += [f"## {title}", ""]
         for model in models:
             shown.add(model.__name__)
@@ -280,8 +296,8 @@ def reference() -> str:
     for code in CODES:
         action = code.action + (f": {code.detail}" if code.detail else "")
         out.append(f"| `{code.code}` | {code.where} | {code.meaning} | {action} |")
-    out += ["", "## Limits and defaults", "",
-            "| limit | default | unit | what happens | server setting |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    out += ["", "## Limits and defaults", "", "| limit | default | unit | what happens | server setting |",
+            "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for limit in LIMITS:
         setting = f"`{limit.setting}`" if limit.setting else "fixed"
         out.append(f"| {limit.name} | {limit.default} | {limit.unit} | {limit.meaning} | {setting} |")

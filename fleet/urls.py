@@ -4,7 +4,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 
 from core import health
 from core.api.errors import json_not_found, json_server_error
-from fleet import metrics
+from fleet import metrics, protocol_views
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
@@ -13,6 +13,8 @@ urlpatterns = [
     path("api/v1/", include("fleet.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(permission_classes=[]), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema", permission_classes=[]), name="api-docs"),
+    path("api/protocol/asyncapi.json", protocol_views.asyncapi_json, name="protocol-asyncapi"),
+    path("api/docs/protocol/", protocol_views.protocol_page, name="protocol-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="api-schema", permission_classes=[]), name="api-redoc"),
     path("admin/", admin.site.urls),
     path("", include("frontend.urls")),

@@ -101,6 +101,8 @@ PUBLIC_ROUTES = {
     "api-schema",
     "api-docs",
     "api-redoc",
+    "protocol-asyncapi",
+    "protocol-docs",
     "enroll",
     "device-challenge",
     "device-token",

@@ -23,7 +23,7 @@ async def open_socket() -> tuple[WebsocketCommunicator, dict]:
     connected, _ = await communicator.connect(timeout=5)
     assert connected
     challenge = await communicator.receive_json_from(timeout=5)
-    assert challenge["type"] == "challenge" and challenge["protocol"] == 1
+    assert challenge["type"] == "challenge" and challenge["protocol"] == 2
     return communicator, challenge
 
 

@@ -4,7 +4,7 @@ Each device keeps a model of its own, trained on its own data and never uploaded
 is made, and is signed into every manifest (``training.rollouts.manifests.training_config``) so a device trains only
 what the server signed. ``Adapter.personalization`` holds only what an operator set; everything reads it
 through ``personalization_settings`` so the defaults live here and nowhere else (README, "Adapters and
-rollouts"; edge_agent/PROTOCOL.md, "Assignments").
+rollouts"; docs/protocol/README.md, "Assignments").
 
 Methods: ``none`` (the device serves the shared version), ``finetune`` (a copy of the shared version
 fine-tuned locally), ``ditto`` (a personal model kept near the shared one by a proximal term of weight
