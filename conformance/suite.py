@@ -275,6 +275,7 @@ class Suite:
         s = self.step
         try:
             s("enroll", self.enroll)
+            s("enroll_required_fields_only", self.enroll_required_fields_only, "enroll")
             s("rest_token", self.rest_token, "enroll")
             s("rest_device_and_heartbeat", self.rest_device_and_heartbeat, "rest_token")
             s("socket_handshake", self.socket_handshake, "enroll")
@@ -335,6 +336,21 @@ class Suite:
         self.state.pinned_key = answer["server_public_key"]
         self.state.websocket_path = answer["websocket_path"]
         return f"device {self.state.device_id}"
+
+    def enroll_required_fields_only(self) -> str:
+        """A request with only the fields EnrollRequest.json requires must do (what the schema calls optional
+        must be optional), for another device."""
+        candidates = {
+            "token": self.operator.enrollment_token(),
+            "public_key": self.client_factory().public_key(),
+            "name": f"conformance-{uuid.uuid4().hex[:8]}",
+        }
+        required = self.schemas.validators["EnrollRequest"].schema.get("required", [])
+        body = {name: candidates[name] for name in required}
+        self.schemas.validate("EnrollRequest", body, what="the enroll request")
+        answer = self.http.json("POST", "/api/v1/enroll/", body, expect=(201,))
+        self.schemas.validate("EnrollResponse", answer, what="the enroll answer")
+        return f"with {sorted(body)}"
 
     def rest_token(self) -> str:
         body = {"device_id": self.state.device_id}

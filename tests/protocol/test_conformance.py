@@ -148,3 +148,19 @@ def test_our_agent_client_reproduces_the_same_vectors():
         for name, rows in f32["decoded_values"].items()
     }
     assert ours.build_delta(tensors) == reference.build_delta(tensors) == Path(VECTORS / f32["file"]).read_bytes()
+
+
+@pytest.mark.e2e
+def test_the_command_line_runs_the_suite_and_exits_1_on_a_failure(
+    server, celery_worker_process, transactional_db, make_user, capsys
+):
+    from accounts.services import api_token_create
+    from conformance.__main__ import main
+
+    token = api_token_create(user=make_user("admin"), name="conformance").raw
+    code = main(["--server", server.url, "--operator-token", token, "--chunk-size", "2000"])
+    out = capsys.readouterr().out
+    assert "PASS delta_binary" in out and "PASS delta_text" in out
+    assert code == (1 if KNOWN_SERVER_BUGS else 0), out
+    with pytest.raises(SystemExit):
+        main(["--server", server.url, "--operator-token", ""])
