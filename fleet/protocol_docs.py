@@ -280,8 +280,8 @@ def reference() -> str:
     for code in CODES:
         action = code.action + (f": {code.detail}" if code.detail else "")
         out.append(f"| `{code.code}` | {code.where} | {code.meaning} | {action} |")
-    out += ["", "## Limits and defaults", "",
-            "| limit | default | unit | what happens | server setting |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    out += ["", "## Limits and defaults", "", "| limit | default | unit | what happens | server setting |",
+            "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for limit in LIMITS:
         setting = f"`{limit.setting}`" if limit.setting else "fixed"
         out.append(f"| {limit.name} | {limit.default} | {limit.unit} | {limit.meaning} | {setting} |")
