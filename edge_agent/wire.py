@@ -407,7 +407,7 @@ class DeltaError(_Message):
 class EnrollRequest(_Message):
     token: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     public_key: PublicKey
-    name: Annotated[str, StringConstraints(max_length=100)] = ""
+    name: Annotated[str, StringConstraints(min_length=1, max_length=100)]  # the server requires a name
     hardware: dict[str, Any] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     agent_version: Annotated[str, StringConstraints(max_length=32)] = ""

@@ -195,7 +195,7 @@ def _deltas(files: dict[str, bytes]) -> dict:
         _, scales = read_encoding(header.get("__metadata__"))
         decoded = {
             key: decode_tensor(raw, encoding=encoding, scale=scales.get(key)).tolist()
-            for key, raw in sorted(load(data).items())
+            for key, raw in sorted(load(data).items())  # safetensors loads in no fixed order
         }
         envelope = envelope_payload(
             device_id=DEVICE_ID,
