@@ -22,7 +22,14 @@ from django.db import connection
 
 from devices import presence
 from devices.errors import DeviceAuthFailed, DeviceProtocolRefused
-from devices.identity import accepted_protocols, device_verify, ensure_may_sync, ensure_protocol, new_nonce
+from devices.identity import (
+    accepted_protocols,
+    device_verify,
+    ensure_may_sync,
+    ensure_protocol,
+    new_nonce,
+    note_protocol,
+)
 from devices.models import Device, DeviceEvent
 from devices.personalization import personal_report_record
 from devices.socket_hooks import training_side
@@ -89,6 +96,7 @@ def _authenticate(hello: wire.Hello, nonce: str) -> Device:
         ensure_may_sync(device)
     except DeviceAuthFailed as exc:
         raise Refused(CloseCode.NOT_ALLOWED, exc.code, exc.message) from None
+    note_protocol(device, protocol)
     return device
 
 

@@ -75,10 +75,15 @@ def device_verify(*, device_id, payload: dict, signature, protocol: int = PROTOC
     ):
         _record_auth_failure(device)
         raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
-    if device.protocol != protocol:  # manifests for it are signed in this protocol's canonical form from now on
+    return device
+
+
+def note_protocol(device: Device, protocol: int) -> None:
+    """The protocol of a device's accepted hello or token request: its manifests are signed in that protocol's
+    canonical form from now on. (Not for a refused one: a refusal changes nothing.)"""
+    if device.protocol != protocol:
         Device.objects.filter(pk=device.pk).update(protocol=protocol)
         device.protocol = protocol
-    return device
 
 
 AUTH_FAILURE_EVENT_EVERY_SECONDS = 300
@@ -139,6 +144,7 @@ def rest_token_issue(*, device_id, nonce, signature, protocol: int | None = None
         protocol=protocol,
     )
     ensure_may_sync(device)
+    note_protocol(device, protocol)
     token = signing.dumps({"d": str(device.pk), "k": device.public_key[:16]}, salt=TOKEN_SALT)
     return DeviceToken(token=token, expires_in=settings.DEVICE_TOKEN_TTL_SECONDS)
 

@@ -206,6 +206,11 @@ class AgentConnection:
                 continue
             message = decode(raw, limit=MAX_MESSAGE_BYTES)
             kind = message["type"]
+            try:  # what the server sends is checked against the protocol's models before it is acted on
+                wire.server_message(message)
+            except ValueError as exc:
+                logger.warning("ignored a message from the server that does not fit the protocol: %s", exc)
+                continue
             if kind == MessageType.HEARTBEAT_ACK:
                 started = sent_at.pop(message.get("seq"), None)
                 if started is not None:
@@ -221,7 +226,7 @@ class AgentConnection:
                 await uploading.handle(message)
             elif kind == MessageType.COMMAND and message.get("command") == "delta_result" and self.uploads:
                 self.uploads.on_result(message.get("args") or {})
-                await socket.send(encode(MessageType.ACK, id=message.get("id"), ok=True, detail=None))
+                await socket.send(wire.Ack(id=message["id"], ok=True).to_json())
             elif kind == MessageType.COMMAND:
                 await self._handle_command(socket, message)
             elif kind == MessageType.ERROR:
@@ -237,7 +242,8 @@ class AgentConnection:
                 detail = await self.on_command(message.get("command", ""), message.get("args") or {})
             except Exception as exc:  # report the failure to the server instead of dropping the socket
                 ok, detail = False, f"{type(exc).__name__}: {exc}"
-        await socket.send(encode(MessageType.ACK, id=message.get("id"), ok=ok, detail=detail))
+        detail = None if detail is None else str(detail)[:500]
+        await socket.send(wire.Ack(id=message["id"], ok=ok, detail=detail).to_json())
 
 
 class UploadSource(Protocol):

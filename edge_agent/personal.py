@@ -284,7 +284,8 @@ class PersonalStore:
         return state
 
     def report(self) -> dict | None:
-        """The heartbeat's ``personal`` object (docs/protocol/README.md, "Heartbeats"), or None before the first measurement."""
+        """The heartbeat's ``personal`` object (docs/protocol/README.md, "Heartbeats"), or None before the first
+        measurement."""
         state = self.state()
         measured = (state.get("shared_accuracy"), state.get("personal_accuracy"))
         if not all(isinstance(v, int | float) and math.isfinite(v) for v in measured):

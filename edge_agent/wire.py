@@ -214,9 +214,16 @@ class DeltaBegin(_Message):
     metrics: Metrics = Field(default_factory=dict)
 
 
+# An upload is named by the sha256 its delta_begin declared; a chunk or abort naming anything else is answered
+# ``unknown_upload`` (a delta_error: the socket stays), as a name that was never begun is.
+UploadName = Annotated[
+    str, StringConstraints(max_length=256), Field(description="the sha256 the upload's delta_begin declared")
+]
+
+
 class DeltaChunk(_Message):
     type: Literal["delta_chunk"] = "delta_chunk"
-    sha256: Sha256Hex
+    sha256: UploadName
     offset: Whole = Field(description="where these bytes go: exactly the offset the server last answered")
     data: Annotated[
         str,
@@ -227,7 +234,7 @@ class DeltaChunk(_Message):
 
 class DeltaAbort(_Message):
     type: Literal["delta_abort"] = "delta_abort"
-    sha256: Sha256Hex
+    sha256: UploadName
 
 
 class ChunkFrameHeader(_Signed):
@@ -505,6 +512,26 @@ def agent_message(message: dict) -> _Message:
         return _AGENT_MESSAGE.validate_python(message)
     except ValidationError as exc:
         raise ValueError(problem(exc, what=kind, skip=1)) from None
+
+
+_SERVER_COMMAND = TypeAdapter(ServerCommand)
+_SERVER_TYPES = {
+    model.model_fields["type"].default: model for model in SOCKET_SERVER_MESSAGES if model is not DeltaResultCommand
+}
+
+
+def server_message(message: dict) -> _Message:
+    """A decoded message from the server as its model; ValueError naming the bad field (or an unknown type or
+    command: an agent older than the server meets those, and ignores them)."""
+    kind = message.get("type")
+    if kind not in _SERVER_TYPES:
+        raise ValueError(f"unknown message type {kind!r}")
+    try:
+        if kind == MessageType.COMMAND:
+            return _SERVER_COMMAND.validate_python(message)
+        return _SERVER_TYPES[kind].model_validate(message)
+    except ValidationError as exc:
+        raise ValueError(problem(exc, what=kind, skip=1 if kind == MessageType.COMMAND else 0)) from None
 
 
 def validated(model: type[BaseModel], value: Any, *, what: str = "") -> BaseModel:

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from safetensors.torch import load
 
 from edge_agent import wire
-from edge_agent.delta import encode_delta, envelope_payload
+from edge_agent.delta import decode_tensor, encode_delta, envelope_payload, read_encoding
 from edge_agent.protocol import (
     b64encode,
     canonical_json,
@@ -26,6 +27,7 @@ from edge_agent.protocol import (
     sign,
     token_request_payload,
 )
+from edge_agent.safetensors_header import loads_noting_repeats
 
 DEVICE_ID = "6f1c2b9e-8d4a-4e3b-9c1f-2a7b5d0e8f13"
 NONCE = b64encode(bytes(range(32)))
@@ -182,11 +184,6 @@ def _delta_files() -> dict[str, bytes]:
 
 
 def _deltas(files: dict[str, bytes]) -> dict:
-    from safetensors.torch import load
-
-    from edge_agent.delta import decode_tensor, read_encoding
-    from edge_agent.safetensors_header import loads_noting_repeats
-
     device = KEYS["fleet vector: device"]
     out = []
     for counter, (name, encoding, ffa) in enumerate(DELTAS, start=1):

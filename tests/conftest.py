@@ -50,6 +50,13 @@ def _blob_storage(settings, tmp_path, shared_blob_root):
 
 
 @pytest.fixture(autouse=True)
+def _heartbeats_unspaced(settings):
+    """In-process sockets take heartbeats as fast as a test sends them; the spacing rule has its own tests against
+    a live server (tests/protocol/test_socket_edges.py)."""
+    settings.HEARTBEAT_MIN_SPACING_PERCENT = 0
+
+
+@pytest.fixture(autouse=True)
 def _generous_enrollment_rate(settings):
     """Tests enroll many devices from one address; the rate-limit test sets its own low rate."""
     from django.core.cache import cache

@@ -62,7 +62,7 @@ def test_active_device_authenticates_heartbeats_and_is_marked_online_by_the_batc
             )
         )
         ack = await communicator.receive_json_from(timeout=5)
-        assert ack == {"type": "heartbeat_ack", "seq": 1, "server_time": ack["server_time"]}
+        assert ack == {"type": "heartbeat_ack", "seq": 1, "server_time": ack["server_time"], "recorded": True}
         # Nothing reached the database per heartbeat: presence is still only in Redis.
         row = await sync_to_async(Device.objects.get)(pk=device.id)
         assert row.online is False and row.last_seen_at is None and row.battery_percent is None

@@ -61,10 +61,10 @@ def test_hellos_claiming_another_device_are_refused(enrolled, device_token):
         socket, challenge_ = await open_socket()
         await hello(socket, challenge_, bravo.id, alpha.key)
         await expect_refusal(socket, CloseCode.AUTH_FAILED, "auth_failed")
-        # bravo's REST token in place of a signature
+        # bravo's REST token in place of a signature: not a signature at all (86 base64url characters)
         socket, _ = await open_socket()
-        await socket.send_to(text_data=encode("hello", device_id=bravo.id, signature=bravo_token))
-        await expect_refusal(socket, CloseCode.AUTH_FAILED, "auth_failed")
+        await socket.send_to(text_data=encode("hello", device_id=bravo.id, signature=bravo_token, protocol=2))
+        await expect_refusal(socket, CloseCode.MALFORMED, "malformed")
         # bravo's own answer to another connection's challenge
         other, other_challenge = await open_socket()
         answered = sign(bravo.key, hello_payload(nonce=other_challenge["nonce"], device_id=bravo.id))

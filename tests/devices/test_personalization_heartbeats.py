@@ -20,7 +20,7 @@ from tests.personal_support import NOW
 from tests.personal_support import figures as personal
 
 BAD_PERSONAL = [
-    ("not an object", "personal must be an object"),
+    ("not an object", "personal: Input should be a valid dictionary"),
     (personal(adapter=""), "personal.adapter"),
     (personal(adapter="a b"), "personal.adapter"),
     (personal(adapter=None), "personal.adapter"),

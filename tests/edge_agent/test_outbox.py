@@ -42,7 +42,8 @@ def put(outbox: Outbox, value: float, **overrides):
 
 def test_package_delta_signs_an_envelope_for_the_bytes():
     data, signed = package_delta(
-        trained(0.5), BASE, key=KEY, device_id="dev-1", adapter="digits", base_version=3, num_samples=40,
+        trained(0.5), BASE, key=KEY, device_id="6f1c2b9e-8d4a-4e3b-9c1f-2a7b5d0e8f13", adapter="digits", base_version=3,
+        num_samples=40,
         counter=7, only_b=True, encoding="f16",
     )  # fmt: skip
     envelope = parse_envelope(signed["envelope"])

@@ -15,7 +15,6 @@ import jsonschema
 import pytest
 import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from django.conf import settings
 
 from edge_agent import wire
 from edge_agent.codes import CODES
@@ -93,7 +92,9 @@ def test_every_code_a_device_can_be_sent_is_documented_with_what_to_do():
 def test_each_limit_s_documented_default_is_the_setting_s(limit):
     if limit.setting in os.environ:
         pytest.skip(f"{limit.setting} is set in this environment")
-    assert getattr(settings, limit.setting) == limit.default
+    from fleet import settings as project_settings  # the values as the environment made them, before any test
+
+    assert getattr(project_settings, limit.setting) == limit.default
 
 
 def test_each_message_schema_accepts_its_vector_and_refuses_a_wrong_field():
@@ -199,3 +200,30 @@ def test_the_specification_links_what_it_names():
     for name in ("reference.md", "asyncapi.json", "vectors/", "schemas/"):
         assert name in spec
     assert Path(ROOT / "edge_agent" / "PROTOCOL.md").read_text().count("docs/protocol/README.md") >= 1
+
+
+def test_the_rest_serializers_and_the_protocol_models_describe_the_same_device_payloads():
+    """The REST views validate with DRF serializers (the OpenAPI schema comes from them); the protocol's models
+    must name the same fields, each required on both sides or on neither."""
+    from devices.api import serializers as device_serializers
+    from training.api.rollout_serializers import AssignmentReportSerializer
+
+    pairs = [
+        (device_serializers.EnrollRequestSerializer, wire.EnrollRequest),
+        (device_serializers.EnrollResponseSerializer, wire.EnrollResponse),
+        (device_serializers.ChallengeRequestSerializer, wire.DeviceChallengeRequest),
+        (device_serializers.ChallengeResponseSerializer, wire.DeviceChallenge),
+        (device_serializers.TokenRequestSerializer, wire.DeviceTokenRequest),
+        (device_serializers.TokenResponseSerializer, wire.DeviceToken),
+        (device_serializers.DeviceHeartbeatSerializer, wire.HeartbeatState),
+        (device_serializers.HeartbeatPersonalSerializer, wire.Personal),
+        (AssignmentReportSerializer, wire.AssignmentReport),
+    ]
+    for serializer_class, model in pairs:
+        fields = serializer_class().fields
+        schema = model.model_json_schema(by_alias=True)
+        assert set(fields) == set(schema["properties"]), (serializer_class.__name__, model.__name__)
+        required = {name for name, field in fields.items() if field.required}
+        if serializer_class.__name__.endswith(("Response", "ResponseSerializer")):
+            continue  # what the server answers: every field is there
+        assert required == set(schema.get("required", [])), (serializer_class.__name__, model.__name__)
