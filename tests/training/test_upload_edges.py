@@ -9,7 +9,9 @@ every test commits its rows (``transactional_db``) so the server sees them, and 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import random
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +35,9 @@ from training.registry.services import version_create_seeded
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
+# Blobs are shared by the whole run (content-addressed): each delta here has bytes of its own, so "no blob"
+# means this test stored none, whatever other tests stored.
+_SEEDS = itertools.count(random.randrange(10**6, 10**9))
 BEGINS_PER_MINUTE = 8
 REJECTIONS_PER_HOUR = 3
 
@@ -113,8 +118,8 @@ def agent(server):
         one.close()
 
 
-def signed_delta(device, adapter, *, seed: int = 1, counter: int = 1, **kwargs) -> tuple[bytes, dict]:
-    data = encode_delta(make_delta_tensors(adapter, seed=seed))
+def signed_delta(device, adapter, *, seed: int | None = None, counter: int = 1, **kwargs) -> tuple[bytes, dict]:
+    data = encode_delta(make_delta_tensors(adapter, seed=next(_SEEDS) if seed is None else seed))
     signed = sign_delta(
         device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=5, counter=counter,
         **kwargs,
@@ -252,7 +257,7 @@ def test_a_device_with_many_rejections_this_hour_is_refused_at_begin(server, age
 
 def test_an_aborted_upload_frees_its_slot_at_once(server, agent, adapter, enrolled):
     device = enrolled("active")
-    uploads = [signed_delta(device, adapter, seed=seed, counter=seed)[1] for seed in range(1, 6)]
+    uploads = [signed_delta(device, adapter, counter=n)[1] for n in range(1, 6)]
     socket = agent(device)
     for signed in uploads[:4]:
         assert socket.begin(signed)["state"] == "uploading"
@@ -322,7 +327,7 @@ def test_the_agents_own_metrics_pass_and_are_stored_as_sent(server, agent, adapt
 
 def test_bytes_that_are_not_the_signed_ones_keep_a_row_but_no_blob(server, agent, adapter, enrolled, shared_blob_root):
     device = enrolled("active")
-    data, signed = signed_delta(device, adapter, seed=11)  # bytes no other test stores (blobs are shared)
+    data, signed = signed_delta(device, adapter)
     torn = data[:-1] + bytes([data[-1] ^ 0xFF])
     socket = agent(device)
     assert socket.begin(signed)["offset"] == 0
@@ -336,7 +341,7 @@ def test_bytes_that_are_not_the_signed_ones_keep_a_row_but_no_blob(server, agent
     assert staged_files(server, device) == [] or all(p.suffix == ".lock" for p in staged_files(server, device))
 
     # More bytes than declared: a row (too_large), nothing stored.
-    data2, signed2 = signed_delta(device, adapter, seed=12, counter=2)
+    data2, signed2 = signed_delta(device, adapter, counter=2)
     assert socket.begin(signed2)["offset"] == 0
     socket.socket.send(encode_chunk_frame(sha256=signed2["envelope"]["sha256"], offset=0, data=data2 + b"extra"))
     assert socket.answer()["rejection_code"] == "too_large"
@@ -350,7 +355,7 @@ def test_a_delta_rejected_by_verification_leaves_no_blob(server, agent, adapter,
     adapter.cohorts.add(cohort)
     version_create_seeded(adapter=adapter, seed=3)
     device = enrolled("active")
-    tensors = make_delta_tensors(adapter, seed=13)
+    tensors = make_delta_tensors(adapter, seed=next(_SEEDS))
     tensors["base_model.model.not_in_the_spec.lora_A.weight"] = tensors[next(iter(tensors))].clone()
     data = encode_delta(tensors)
     signed = sign_delta(device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=3,
