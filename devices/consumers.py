@@ -1,9 +1,9 @@
 """The agent socket (/ws/agent/): challenge, signed hello, heartbeats, pushed commands.
 
 Protocol and close codes: ``docs/protocol/README.md``; every message is a model of ``edge_agent/wire.py``, which
-validates what arrives here and builds what is sent. After the hello the
-only database access is none at all: heartbeats go to Redis (``devices.presence``), pushes arrive on this
-socket's channel.
+validates what arrives here and builds what is sent. After the hello, heartbeats go to Redis
+(``devices.presence``) and pushes arrive on this socket's channel; only upload steps, acknowledgements and new
+personal measurements reach the database, each on the sockets' own database threads (``_socket_db``).
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ def _authenticate(hello: wire.Hello, nonce: str) -> Device:
 
 
 @_socket_db
-def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> dict | None:
-    """Note the agent's version and hardware when they changed; then the training side's check-in (the
-    assignment the device should receive now, if any), in one trip to the database thread per hello."""
+def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> list[dict]:
+    """Note the agent's version and hardware when they changed; then the training side's check-in: the
+    commands the device should receive now (``{id, command, args}``: the assignment it has not acknowledged, if
+    any, and the delta results it has not), in one trip to the database thread per hello."""
     changes = {}
     if agent_version and agent_version != device.agent_version:
         changes["agent_version"] = agent_version
@@ -112,7 +113,18 @@ def _after_hello(device: Device, agent_version: str, hardware: dict | None) -> d
     if changes:
         Device.objects.filter(pk=device.pk).update(**changes)
         DeviceEvent.objects.create(device=device, kind=DeviceEvent.Kind.UPDATED, actor_label="device", detail=changes)
-    return training_side().check_in(device)
+    return _check_in_commands(device)
+
+
+def _check_in_commands(device: Device) -> list[dict]:
+    side = training_side()
+    pending = side.check_in(device)
+    commands = [] if pending is None else [_assignment_command(pending)]
+    return commands + side.unacknowledged_results(device)
+
+
+def _assignment_command(pending: dict) -> dict:
+    return {"id": f"assignment-{pending['assignment_id']}", "command": "assignment", "args": pending}
 
 
 _personal_record = _socket_db(personal_report_record)
@@ -121,6 +133,16 @@ _personal_record = _socket_db(personal_report_record)
 @_socket_db
 def _delta_begin(device: Device, message: dict) -> tuple[str, dict]:
     return training_side().upload_begin(device, message)
+
+
+@_socket_db
+def _delta_abort(device: Device, sha256: str) -> tuple[str, dict]:
+    return training_side().upload_abort(device, sha256)
+
+
+@_socket_db
+def _command_acknowledged(device: Device, command_id: str) -> bool:
+    return training_side().command_acknowledged(device, command_id)
 
 
 @_socket_db
@@ -204,8 +226,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self.on_heartbeat(message)
             elif kind == MessageType.DELTA_CHUNK:
                 await self.on_delta(kind, message)
+            elif kind == MessageType.DELTA_ABORT:
+                await self.on_delta_abort(message)
             elif kind == MessageType.ACK:
-                logger.debug("device %s acknowledged %s", self.device_id, parsed.id)
+                await self.on_ack(parsed)
         except Refused as refused:
             await self.refuse(refused.code, refused.error, refused.message)
 
@@ -231,14 +255,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 server_time=time.time(),
             ).to_json()
         )
-        # A device that was offline when its assignment was made gets it now.
-        pending = await _after_hello(device, hello.agent_version, hello.hardware or None)
-        if pending is not None:
-            await self.send(
-                encode(
-                    MessageType.COMMAND, id=f"assignment-{pending['assignment_id']}", command="assignment", args=pending
-                )
-            )
+        # A device that was offline when its assignment was made, or when its deltas were verified, gets them now.
+        commands = await _after_hello(device, hello.agent_version, hello.hardware or None)
+        for command in commands:
+            await self.send(encode(MessageType.COMMAND, **command))
 
     async def on_heartbeat(self, message: dict) -> None:
         try:
@@ -300,6 +320,19 @@ class AgentConsumer(AsyncWebsocketConsumer):
         except ValueError:
             raise Refused(CloseCode.MALFORMED, "malformed", "delta_chunk data is not base64url") from None
         await self._upload_step(sha256, _delta_append(self.device, sha256, offset, raw))
+
+    async def on_delta_abort(self, message: dict) -> None:
+        """The device gives up an unfinished upload (``delta_abort``): its slot is free at once."""
+        sha256 = message["sha256"]  # a string (edge_agent.wire.DeltaAbort); the intake decides if it names one
+        await self._upload_step(sha256, _delta_abort(self.device, sha256))
+
+    async def on_ack(self, ack: wire.Ack) -> None:
+        """The device's answer to a command. ``ok`` true of ``delta-<id>`` or ``assignment-<id>`` is recorded (on
+        a database thread) so it is not sent again at the next hello; ok false changes nothing (sent again)."""
+        command_id, ok = ack.id, ack.ok
+        logger.debug("device %s acknowledged %s (ok=%s)", self.device_id, command_id, ok)
+        if ok:
+            await _command_acknowledged(self.device, command_id)
 
     async def on_binary(self, frame: bytes) -> None:
         """A binary frame is a delta chunk with its raw bytes (``edge_agent.protocol.encode_chunk_frame``)."""

@@ -102,6 +102,11 @@ class Device(models.Model):
         "training.AdapterVersion", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )
     assignment_seq = models.PositiveBigIntegerField(default=0)
+    # Upload begins the server refused (devices.uploads): how many, the last one's code and when. Nothing else
+    # of a refused begin is stored.
+    uploads_refused = models.PositiveIntegerField(default=0)
+    upload_refused_at = models.DateTimeField(null=True, blank=True)
+    upload_refused_code = models.CharField(max_length=32, blank=True)
 
     class Meta:
         ordering = ["name", "id"]

@@ -27,6 +27,15 @@ class TrainingSide(Protocol):
     def upload_append(self, device: Device, sha256: str, offset: int, data: bytes) -> tuple[str, dict]:
         """One chunk of an upload at ``offset``."""
 
+    def upload_abort(self, device: Device, sha256: str) -> tuple[str, dict]:
+        """A ``delta_abort`` message: discard the unfinished upload of ``sha256``, freeing its slot."""
+
+    def unacknowledged_results(self, device: Device) -> list[dict]:
+        """``{id, command, args}`` of the ``delta_result`` commands to send again after a hello."""
+
+    def command_acknowledged(self, device: Device, command_id: str) -> bool:
+        """An ``ack`` with ok=true of ``command_id``: the device has it (delta results, assignments)."""
+
 
 _training: TrainingSide | None = None
 

@@ -246,6 +246,10 @@ class AgentConnection:
         await socket.send(wire.Ack(id=message["id"], ok=ok, detail=detail).to_json())
 
 
+# The server's per-device limits on upload begins: their delta_error carries ``retry_after`` (seconds).
+RATE_LIMITED = frozenset({"too_many_begins", "too_many_rejections"})
+
+
 class UploadSource(Protocol):
     """Where the connection finds deltas to send (the agent's outbox) and reports what became of them."""
 
@@ -253,7 +257,8 @@ class UploadSource(Protocol):
         """``{"sha256", "path", "envelope", "signature", "metrics"}`` of the oldest delta not yet received."""
 
     def on_state(self, sha256: str, state: dict) -> None:
-        """The server's ``delta_state``: ``state["state"]`` is uploading, received, accepted, rejected..."""
+        """The server's ``delta_state``: ``state["state"]`` is uploading, received, accepted, rejected, aggregated,
+        or aborted (nothing of it is staged on the server any more: it starts again from 0)."""
 
     def on_error(self, sha256: str, code: str, message: str) -> None: ...
 
@@ -295,7 +300,7 @@ class DeltaUploader:
             return
         if message["type"] == MessageType.DELTA_ERROR:
             self.current = None
-            self.idle_until = time.monotonic() + 5.0
+            self.idle_until = time.monotonic() + self._wait_after(message)
             self.source.on_error(sha256, message.get("code", ""), message.get("message", ""))
             return
         self.source.on_state(sha256, message)
@@ -307,6 +312,15 @@ class DeltaUploader:
             handle.seek(offset)
             chunk = handle.read(DELTA_BINARY_CHUNK_BYTES)
         await self.socket.send(encode_chunk_frame(sha256=sha256, offset=offset, data=chunk))
+
+    @staticmethod
+    def _wait_after(error: dict) -> float:
+        """How long to wait before the next begin: what a per-device limit (``too_many_begins``,
+        ``too_many_rejections``) says in ``retry_after`` (at most a day), else a short pause."""
+        retry_after = error.get("retry_after")
+        if error.get("code") in RATE_LIMITED and isinstance(retry_after, int | float) and retry_after > 0:
+            return min(float(retry_after), 86_400.0)
+        return 5.0
 
 
 class _Refused(Exception):

@@ -42,6 +42,9 @@ DELTA_BINARY_CHUNK_BYTES = 512 * 1024
 CHUNK_FRAME_MAGIC = b"FPD1"
 MAX_CHUNK_FRAME_HEADER = 256
 MAX_BINARY_MESSAGE_BYTES = DELTA_BINARY_CHUNK_BYTES + len(CHUNK_FRAME_MAGIC) + 2 + MAX_CHUNK_FRAME_HEADER
+# delta_begin's metrics: at most this many entries, each a name matching METRIC_NAME_PATTERN and a finite number.
+MAX_DELTA_METRICS = 32
+METRIC_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}"
 
 
 class MessageType:
@@ -58,7 +61,7 @@ class MessageType:
     # or a binary frame: see encode_chunk_frame
     DELTA_STATE = "delta_state"  # server -> agent: {sha256, size, offset, delta_id, state, rejection_code, ...}
     DELTA_ERROR = "delta_error"  # server -> agent: {sha256, code, message, retry_after}; the socket stays open
-    DELTA_ABORT = "delta_abort"  # agent -> server: {sha256}: forget a begun upload and free its slot
+    DELTA_ABORT = "delta_abort"  # agent -> server: {sha256}; answered with delta_state "aborted"
 
 
 class CloseCode:

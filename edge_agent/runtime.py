@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from edge_agent.lora_layers import adapter_tensors
 from edge_agent.packaging import Outbox
 from edge_agent.personal import PersonalSettings, PersonalStore, derive, personalize, private_keys
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
+from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN
 from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
 from edge_agent.training import TrainConfig, train_adapter
 
@@ -375,6 +378,26 @@ class DeviceRuntime:
         )
 
 
+_METRIC_NAME = re.compile(METRIC_NAME_PATTERN)
+
+
+def upload_metrics(metrics: Any) -> dict:
+    """The training metrics a delta_begin may carry (the server refuses the begin otherwise,
+    ``malformed_metrics``): finite numbers under names the protocol allows, at most MAX_DELTA_METRICS. A
+    training run that ended with a NaN loss still uploads its delta, without that figure."""
+    if not isinstance(metrics, dict):
+        return {}
+    kept = {
+        name: value
+        for name, value in metrics.items()
+        if isinstance(name, str)
+        and _METRIC_NAME.fullmatch(name)
+        and not isinstance(value, bool)
+        and (isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)))
+    }
+    return dict(list(kept.items())[:MAX_DELTA_METRICS])
+
+
 class OutboxUploads:
     """The outbox seen by the socket uploader (``edge_agent.connection.UploadSource``)."""
 
@@ -408,7 +431,7 @@ class OutboxUploads:
             "path": str(item.path),
             "envelope": item.envelope["envelope"],
             "signature": item.envelope["signature"],
-            "metrics": json.loads(metrics_path.read_text()) if metrics_path.exists() else {},
+            "metrics": upload_metrics(json.loads(metrics_path.read_text())) if metrics_path.exists() else {},
         }
 
     def _mark(self, sha256: str, state: str, **fields) -> None:
@@ -428,10 +451,22 @@ class OutboxUploads:
             self._mark(sha256, "accepted")
         elif server_state == "rejected":
             self._mark(sha256, "rejected", detail=f"{state.get('rejection_code')}: {state.get('rejection_detail')}")
+        elif server_state == "aborted":  # the server holds none of it now: the next begin starts from 0
+            self._mark(sha256, "queued", bytes_acknowledged=0)
+
+    # Refusals at begin that sending the same signed delta again can never get past: the delta is dropped.
+    FINAL_REFUSALS = frozenset({"wrong_device", "malformed_envelope", "bad_signature", "bad_created_at", "too_large"})
 
     def on_error(self, sha256: str, code: str, message: str) -> None:
         logger.warning("upload of %s refused: %s: %s", sha256[:12], code, message)
-        if code in ("wrong_device", "malformed_envelope"):
+        if code in self.FINAL_REFUSALS:
+            if code == "bad_created_at":
+                logger.warning(
+                    "delta %s dropped: its signed created_at is outside the server's window (is this device's clock "
+                    "right?): %s",
+                    sha256[:12],
+                    message,
+                )
             self._mark(sha256, "rejected", detail=f"{code}: {message}")
 
     def on_result(self, result: dict) -> None:

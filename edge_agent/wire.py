@@ -28,6 +28,8 @@ from pydantic import (
 
 from edge_agent.protocol import (
     DELTA_CHUNK_BYTES,
+    MAX_DELTA_METRICS,
+    METRIC_NAME_PATTERN,
     PERSONALIZATION_METHODS,
     PROTOCOL_VERSION,
     SUPPORTED_PROTOCOLS,
@@ -85,11 +87,11 @@ EpochSeconds = Annotated[
         description="a time in seconds since 1970-01-01T00:00:00Z (UTC)",
     ),
 ]
-MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")]
+MetricName = Annotated[str, StringConstraints(pattern=f"^{METRIC_NAME_PATTERN}$")]
 Metrics = Annotated[
     dict[MetricName, Number],
     Field(
-        max_length=32,
+        max_length=MAX_DELTA_METRICS,
         description="at most 32 named finite numbers (a name: a letter or _, then up to 63 of A-Z a-z 0-9 _ . : -)",
     ),
 ]

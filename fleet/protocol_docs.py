@@ -78,6 +78,38 @@ LIMITS: tuple[Limit, ...] = (
     ),
     Limit("unfinished uploads per device", 4, "uploads", "a fifth begin: too_many_uploads (abort one)"),
     Limit(
+        "delta_begin per device", 30, "per minute", "more: too_many_begins with retry_after", "DELTA_BEGINS_PER_MINUTE"
+    ),
+    Limit(
+        "rejected deltas per device",
+        20,
+        "per hour",
+        "then begins are refused: too_many_rejections",
+        "DELTA_REJECTIONS_PER_HOUR",
+    ),
+    Limit(
+        "created_at before the server's clock",
+        30 * 86400,
+        "seconds",
+        "older: bad_created_at",
+        "DELTA_CREATED_AT_MAX_AGE_SECONDS",
+    ),
+    Limit(
+        "created_at ahead of the server's clock",
+        300,
+        "seconds",
+        "further ahead: bad_created_at",
+        "DELTA_CREATED_AT_MAX_AHEAD_SECONDS",
+    ),
+    Limit("metrics in delta_begin", protocol.MAX_DELTA_METRICS, "entries", "more: malformed_metrics"),
+    Limit(
+        "delta_result re-sent for",
+        7,
+        "days",
+        "results of deltas received earlier are not re-sent",
+        "DELTA_RESULT_RESEND_DAYS",
+    ),
+    Limit(
         "unfinished upload expiry",
         6 * 3600,
         "seconds",

@@ -394,6 +394,20 @@ CELERY_BEAT_SCHEDULE["expire-staged-uploads"] = {
     "schedule": float(min(DELTA_STAGED_EXPIRY_SECONDS, 3600)),
     "options": {"expires": 600},
 }
+# Limits on what one device may ask of the upload door (edge_agent/PROTOCOL.md, "Delta uploads on the socket").
+# delta_begin messages per device per minute (a fixed window counted in Redis); past it the begin is refused
+# `too_many_begins` with `retry_after`, before anything else is looked at.
+DELTA_BEGINS_PER_MINUTE = env_int("DELTA_BEGINS_PER_MINUTE", 30, minimum=1)
+# A device with this many deltas rejected in the last hour is refused `too_many_rejections` at begin (with
+# `retry_after`) until the oldest of them is an hour old: a client sending garbage costs no more work.
+DELTA_REJECTIONS_PER_HOUR = env_int("DELTA_REJECTIONS_PER_HOUR", 20, minimum=1)
+# The envelope's signed created_at must lie within [server time - MAX_AGE, server time + MAX_AHEAD] at begin
+# (`bad_created_at`): a delta trained a month ago, or by a device whose clock is years off, is not taken.
+DELTA_CREATED_AT_MAX_AGE_SECONDS = env_int("DELTA_CREATED_AT_MAX_AGE_SECONDS", 30 * 24 * 3600, minimum=60)
+DELTA_CREATED_AT_MAX_AHEAD_SECONDS = env_int("DELTA_CREATED_AT_MAX_AHEAD_SECONDS", 300, minimum=0)
+# After a hello the server sends again the delta_result of each of the device's deltas it has not acknowledged,
+# received within this many days (at most 32 per hello, oldest first).
+DELTA_RESULT_RESEND_DAYS = env_int("DELTA_RESULT_RESEND_DAYS", 7, minimum=1)
 ROUND_CHECK_SECONDS = env_int("ROUND_CHECK_SECONDS", 10, minimum=1)
 CELERY_BEAT_SCHEDULE["close-due-rounds"] = {
     "task": "training.tasks.close_due_rounds",

@@ -67,6 +67,13 @@ def _generous_enrollment_rate(settings):
     cache.delete("login-failures:addr:127.0.0.1")  # every test signs in from this address
 
 
+@pytest.fixture(autouse=True)
+def _generous_upload_limits(settings):
+    """Tests upload many deltas from one device in a moment; the per-device limits have their own tests
+    (tests/training/test_upload_edges.py, against a server started with small ones)."""
+    settings.DELTA_BEGINS_PER_MINUTE = settings.DELTA_REJECTIONS_PER_HOUR = 1_000_000
+
+
 @pytest.fixture
 def make_user(db):
     from accounts.services import user_create

@@ -202,6 +202,8 @@ class Assignment(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     delivered_at = models.DateTimeField(null=True, blank=True)
     reported_at = models.DateTimeField(null=True, blank=True)
+    # When the device acknowledged (ack ok=true) the command ``assignment-<id>``: no longer re-sent at its hello.
+    acked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-seq"]
@@ -299,12 +301,14 @@ class Delta(models.Model):
     """One upload from one device: the change it made to the adapter, relative to ``base_version``.
 
     ``sha256`` is what the device's signed envelope claims; ``blob_sha256`` is the hash of the bytes the server
-    actually holds (blank when nothing was stored, as for an oversized upload). A device uploads a given file
+    actually holds (blank when nothing was stored: an oversized or corrupted upload, or a rejected delta whose
+    bytes were deleted). A device uploads a given file
     once (``UNIQUE(device, sha256)``: a repeated upload is acknowledged, never counted twice; a transfer
     that arrived corrupted does not count as the upload), and a counter
     once among deltas whose signature verified (``UNIQUE(device, counter) WHERE counter_claimed``, so a forged
     upload can never burn a real device's counter). States: received → accepted | rejected → aggregated;
-    a rejected delta is kept for forensics with its ``rejection_code`` and never aggregated.
+    a rejected delta's row is kept for forensics with its ``rejection_code`` and never aggregated; its bytes are
+    deleted (``training.federation.verification.rejected_bytes_delete``).
     """
 
     class State(models.TextChoices):
@@ -349,6 +353,9 @@ class Delta(models.Model):
     verify_attempts = models.PositiveSmallIntegerField(
         default=0, help_text="verification runs begun on this delta; more than one means a run did not finish"
     )
+    # When the device acknowledged its ``delta_result`` (command ``delta-<id>``); until then the result is sent
+    # again after each hello (DELTA_RESULT_RESEND_DAYS).
+    result_acked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-received_at", "-id"]
@@ -371,6 +378,8 @@ class Delta(models.Model):
             models.Index(fields=["state", "received_at"]),
             # The overview's deltas-per-hour chart (a day of deltas) as an index-only scan, not a table scan.
             models.Index(fields=["received_at"], include=["state", "id"], name="delta_received_state_idx"),
+            # Whether a rejected delta's bytes are still held by another delta before they are deleted.
+            models.Index(fields=["blob_sha256"], name="delta_blob_idx"),
         ]
 
     def __str__(self) -> str:

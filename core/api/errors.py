@@ -77,7 +77,10 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         from rest_framework.views import set_rollback  # DRF imports settings late, as below
 
         set_rollback()  # as DRF does for its own errors: a refusal inside an atomic request keeps nothing
-        return Response(error_body(exc.code, exc.message, exc.details), status=domain_status(exc))
+        response = Response(error_body(exc.code, exc.message, exc.details), status=domain_status(exc))
+        if isinstance(exc, TooMany) and isinstance(exc.details.get("retry_after"), int):
+            response["Retry-After"] = str(exc.details["retry_after"])  # a per-caller limit says when to come back
+        return response
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     elif isinstance(exc, DjangoPermissionDenied):

@@ -115,6 +115,9 @@ class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "local_metrics",
             "running_version",
             "desired_version",
+            "uploads_refused",
+            "upload_refused_at",
+            "upload_refused_code",
         ]
         read_only_fields = [f for f in fields if f not in ("name", "cohort", "labels")]
 

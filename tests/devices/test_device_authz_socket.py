@@ -88,6 +88,13 @@ def test_hellos_claiming_another_device_are_refused(enrolled, device_token):
     assert _only_new_events(before, db_state()) == [(bravo.id, "auth_failed")]
 
 
+def _take_refusal_count(device_id) -> tuple[int, str]:
+    """A device's refused-upload count and last code, set back to none."""
+    row = Device.objects.get(pk=device_id)
+    Device.objects.filter(pk=device_id).update(uploads_refused=0, upload_refused_at=None, upload_refused_code="")
+    return row.uploads_refused, row.upload_refused_code
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("_no_verification")
 def test_after_its_hello_a_device_cannot_name_another_device_on_its_socket(settings):
@@ -156,11 +163,14 @@ def test_after_its_hello_a_device_cannot_name_another_device_on_its_socket(setti
         )
         await socket.send_to(text_data=encode("heartbeat", seq=3, battery=1.0, device_id=bravo.id))
         acknowledged = await socket.receive_json_from(timeout=5)
+        # The one change: alpha's refused begins are counted on alpha (devices.uploads); set back to compare.
+        refused = await sync_to_async(_take_refusal_count)(alpha.id)
         after = await sync_to_async(db_state)()
         await socket.disconnect()
-        return answers, acknowledged, before, after
+        return answers, acknowledged, before, after, refused
 
-    answers, acknowledged, before, after = run(scenario)
+    answers, acknowledged, before, after, refused = run(scenario)
+    assert refused == (3, "wrong_device")
     wrong = [
         f"{label}: {answers[label]}"
         for label, _, code in frames

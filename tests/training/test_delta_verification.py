@@ -158,11 +158,21 @@ def test_wrong_hash_bad_signature_and_another_devices_key_are_rejected(setup, en
         num_samples=8,
         counter=2,
     )
-    bad = Delta.objects.get(pk=upload(client, data, {**signed, "signature": forged["signature"]}).json()["delta_id"])
-    rejected(delta_verify(delta_id=bad.pk), "bad_signature")
-
+    # A signature that does not verify is refused at the door (before a byte is taken): no row.
+    response = upload(client, data, {**signed, "signature": forged["signature"]})
+    assert response.status_code == 403 and response.json()["error"]["code"] == "bad_signature"
     other = enrolled("active", name="other")
-    rejected(send(setup, encode_delta(small_delta(adapter, seed=5)), key=other.key, counter=3), "bad_signature")
+    signed_by_other = sign_delta(
+        other.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=3
+    )
+    response = upload(client, data, signed_by_other)
+    assert response.status_code == 403 and response.json()["error"]["code"] == "bad_signature"
+    assert Delta.objects.count() == 1  # the hash_mismatch row only
+
+    # The worker checks the signature again: a stored row whose signature no longer verifies is rejected.
+    good = send(setup, encode_delta(small_delta(adapter, seed=5)), counter=4, verify=False)
+    Delta.objects.filter(pk=good.pk).update(signature=forged["signature"])
+    rejected(delta_verify(delta_id=good.pk), "bad_signature")
 
 
 @pytest.mark.django_db
@@ -192,7 +202,11 @@ def test_a_replayed_counter_is_rejected_but_a_forgery_cannot_burn_a_counter(setu
         num_samples=8,
         counter=7,
     )
-    forged = Delta.objects.get(pk=upload(client, data, signed).json()["delta_id"])
+    refused = upload(client, data, signed)  # refused at the door: no row, so it claims nothing
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "bad_signature"
+    # Nor does a forged row that reached the worker (the worker checks the signature again).
+    forged = send(setup, encode_delta(small_delta(adapter, seed=4)), counter=7, verify=False)
+    Delta.objects.filter(pk=forged.pk).update(signature=signed["signature"])
     rejected(delta_verify(delta_id=forged.pk), "bad_signature")
     assert send(setup, encode_delta(small_delta(adapter, seed=2)), counter=7).state == Delta.State.ACCEPTED
     replay = send(setup, encode_delta(small_delta(adapter, seed=3)), counter=7)
@@ -361,16 +375,20 @@ def test_an_oversized_upload_is_refused_by_its_envelope_and_by_its_bytes(setup, 
     settings.DELTA_MAX_BYTES = 4096
     data = encode_delta(small_delta(adapter))
     assert len(data) > 4096
-    delta = send(setup, data, verify=False)
-    rejected(delta, "too_large")
-    assert delta.blob_sha256 == ""  # nothing was stored
+    signed = sign_delta(
+        device.key, data, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=1
+    )
+    response = upload(client, data, signed)  # refused by its declared size: no row, nothing stored
+    assert response.status_code == 413 and response.json()["error"]["code"] == "too_large"
+    assert not Delta.objects.exists()
     # A device that declares a small size and sends more is cut off at the declared size.
     small = encode_delta({k: v[:1] for k, v in small_delta(adapter).items()})
     signed = sign_delta(
         device.key, small, device_id=device.id, adapter=adapter.name, base_version=1, num_samples=8, counter=9
     )
     response = upload(client, small + b"x" * 100, signed)
-    assert response.json()["rejection_code"] == "too_large"
+    assert response.json()["rejection_code"] == "too_large"  # a row, for forensics; its bytes are not kept
+    assert Delta.objects.get().blob_sha256 == ""
 
 
 @pytest.mark.django_db

@@ -26,7 +26,16 @@ from training.api.round_serializers import (
     RoundOpenSerializer,
     RoundSerializer,
 )
-from training.federation.intake import UploadConflict, UploadTooLarge, upload_append, upload_begin, upload_state
+from training.federation.intake import (
+    UploadConflict,
+    UploadRefused,
+    UploadTooLarge,
+    begin_refused,
+    upload_abort,
+    upload_append,
+    upload_begin,
+    upload_state,
+)
 from training.federation.rounds import round_close, round_open, round_rerun
 from training.filters import RoundFilterSet
 from training.models import Adapter, Delta, Round
@@ -42,7 +51,8 @@ class DeviceDeltaView(APIView):
 
     ``PUT`` sends bytes with headers ``X-Delta-Envelope`` (base64url of the envelope's JSON) and
     ``X-Delta-Signature``; ``Content-Range: bytes start-end/total`` resumes from where ``GET`` says the server
-    stopped. A repeated upload of a file the server has is acknowledged with its current state."""
+    stopped. A repeated upload of a file the server has is acknowledged with its current state. ``DELETE``
+    gives up an unfinished upload (the socket's ``delta_abort``), freeing its slot."""
 
     authentication_classes = [DeviceTokenAuthentication]
     permission_classes = [IsDevice]
@@ -71,17 +81,21 @@ class DeviceDeltaView(APIView):
     )
     def put(self, request, sha256: str):
         device = self._device(request, sha256)
-        # RecursionError: a deeply nested JSON value exhausts the parser's stack before it is found invalid.
+        # RecursionError: a deeply nested JSON value exhausts the parser's stack before it is found invalid. Each
+        # refusal here is a refused begin, counted on the device as upload_begin's own are.
         try:
             envelope = json.loads(b64decode(request.headers.get("X-Delta-Envelope", "")))
         except (ValueError, RecursionError):
-            raise ApiError("malformed_envelope", "X-Delta-Envelope must be base64url of a JSON object") from None
+            refusal = UploadRefused("malformed_envelope", "X-Delta-Envelope must be base64url of a JSON object")
+            raise begin_refused(device, refusal) from None
         try:
             metrics = json.loads(request.headers.get("X-Delta-Metrics") or "{}")
         except (ValueError, RecursionError):
-            raise ApiError("malformed_envelope", "X-Delta-Metrics must be valid JSON") from None
+            refusal = UploadRefused("malformed_metrics", "X-Delta-Metrics must be valid JSON")
+            raise begin_refused(device, refusal) from None
         if not isinstance(envelope, dict) or envelope.get("sha256") != sha256:
-            raise ApiError("malformed_envelope", "the envelope's sha256 must be the one in the URL")
+            refusal = UploadRefused("malformed_envelope", "the envelope's sha256 must be the one in the URL")
+            raise begin_refused(device, refusal)
         start = 0
         content_range = request.headers.get("Content-Range")
         if content_range:
@@ -112,6 +126,11 @@ class DeviceDeltaView(APIView):
                 offset += len(chunk)
         code = status.HTTP_201_CREATED if state.delta is not None and state.delta.state != "uploading" else 200
         return Response(state.body(), status=code)
+
+    @extend_schema(request=None, responses={204: None, 404: ErrorBodySerializer})
+    def delete(self, request, sha256: str):
+        upload_abort(device=self._device(request, sha256), sha256=sha256)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 def _round_queryset():

@@ -1,7 +1,8 @@
 """Live events about deltas and rounds for open dashboards (typed payloads, through ``core.live``).
 
 Also tells the device how its delta ended, over its socket when it is connected (``devices.push``); a
-device that is offline reads the outcome over REST (``GET /api/v1/device/deltas/<sha256>/``).
+device that is offline is told again after its next hello until it acknowledges (``training.socket_entry``),
+or reads the outcome over REST (``GET /api/v1/device/deltas/<sha256>/``).
 """
 
 from __future__ import annotations
@@ -48,21 +49,27 @@ def delta_event(delta) -> None:
         _tell_device(delta)
 
 
+def delta_result_command(delta) -> dict:
+    """The ``delta_result`` command telling the device how its delta ended; its id ``delta-<id>`` is stable, so
+    the device's acknowledgement names the delta (``training.socket_entry``) and a re-send is the same command."""
+    return {
+        "id": f"delta-{delta.pk}",
+        "command": "delta_result",
+        "args": {
+            "sha256": delta.sha256,
+            "delta_id": delta.pk,
+            "state": delta.state,
+            "code": delta.rejection_code,
+            "detail": delta.rejection_detail,
+        },
+    }
+
+
 def _tell_device(delta) -> None:
+    command = delta_result_command(delta)
     try:
-        device_command(
-            str(delta.device_id),
-            command_id=f"delta-{delta.pk}",
-            command="delta_result",
-            args={
-                "sha256": delta.sha256,
-                "delta_id": delta.pk,
-                "state": delta.state,
-                "code": delta.rejection_code,
-                "detail": delta.rejection_detail,
-            },
-        )
-    except Exception:  # the device reads the outcome over REST when it could not be told
+        device_command(str(delta.device_id), command_id=command["id"], command=command["command"], args=command["args"])
+    except Exception:  # the device is told again after its next hello, until it acknowledges
         logger.warning("could not tell device %s about delta %s", delta.device_id, delta.pk, exc_info=True)
 
 

@@ -2,13 +2,16 @@
 Celery worker.
 
 The checks run in a fixed order and the first failure is stored as a stable ``rejection_code`` with a
-detail a person can act on. A rejected delta is kept (for forensics) and never aggregated. An accepted
+detail a person can act on. A rejected delta's row is kept (its metadata, for forensics) and never aggregated;
+its bytes are deleted once the verdict is written, unless something else still refers to the same blob
+(``rejected_bytes_delete``). An accepted
 delta joins its adapter's collecting round (``training.federation.rounds``). Running this twice for one delta
 changes nothing the second time: only a ``received`` delta is verified.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,8 +27,10 @@ from training.federation.aggregation_settings import aggregation_settings
 from training.federation.delta_contents import Rejection, contents_check
 from training.federation.events import announce_delta
 from training.federation.rounds import round_admit, round_admit_many
-from training.models import Adapter, AdapterVersion, Delta
-from training.registry.blobs import blob_open, blob_path
+from training.models import Adapter, AdapterVersion, BaseModel, Delta
+from training.registry.blobs import blob_delete, blob_open, blob_path
+
+logger = logging.getLogger(__name__)
 
 
 def _check_bytes(delta: Delta) -> None:
@@ -255,7 +260,38 @@ def _record(delta: Delta, state: str, code: str, detail: str, claim_counter: boo
         if state == Delta.State.ACCEPTED:
             delta.round = round_admit(delta=delta)
         announce_delta(delta)
+        if state == Delta.State.REJECTED:
+            transaction.on_commit(lambda: rejected_bytes_delete([delta]))
     return delta
+
+
+def _blob_in_use(sha256: str) -> bool:
+    """Another delta that is not rejected, an adapter version or a base model holds these bytes."""
+    return (
+        Delta.objects.filter(blob_sha256=sha256).exclude(state=Delta.State.REJECTED).exists()
+        or AdapterVersion.objects.filter(blob_sha256=sha256).exists()
+        or BaseModel.objects.filter(weights_sha256=sha256).exists()
+    )
+
+
+def rejected_bytes_delete(deltas: list[Delta]) -> int:
+    """Delete the stored bytes of these rejected deltas once their verdict is committed: a rejected delta keeps
+    its row (metadata), not a device's bytes the server will never use. A blob something else still refers to
+    stays (``_blob_in_use``); the rows whose bytes went have ``blob_sha256`` blanked. Returns how many blobs went.
+    A failure leaves the bytes (logged): the verdict stands either way."""
+    gone, cleared = 0, []
+    for sha256 in {delta.blob_sha256 for delta in deltas if delta.state == Delta.State.REJECTED and delta.blob_sha256}:
+        try:
+            if not _blob_in_use(sha256):
+                blob_delete(sha256)
+                gone += 1
+            cleared.append(sha256)
+        except Exception:
+            logger.warning("could not delete the bytes of a rejected delta (blob %s)", sha256, exc_info=True)
+    ids = [delta.pk for delta in deltas if delta.blob_sha256 in cleared]
+    if ids:
+        Delta.objects.filter(pk__in=ids, state=Delta.State.REJECTED).update(blob_sha256="")
+    return gone
 
 
 # --- a batch (training.federation.verify_queue): the same outcomes, written together ---
@@ -305,6 +341,9 @@ def delta_record_batch(judged: list[tuple[Delta, Verdict]]) -> list[Delta]:
                 round_admit_many(by_adapter[adapter_id])
             for delta in recorded:
                 announce_delta(delta)
+            rejected = [delta for delta in recorded if delta.state == Delta.State.REJECTED]
+            if rejected:
+                transaction.on_commit(lambda: rejected_bytes_delete(rejected))
     except IntegrityError:
         return _record_one_by_one(judged)
     return recorded

@@ -23,6 +23,7 @@ CHUNK = 1024 * 1024
 class Blob:
     sha256: str
     size: int
+    stored: bool = True  # False: the bytes did not hash to what was expected and were not stored
 
 
 def _storage():
@@ -35,8 +36,11 @@ def blob_name(sha256: str) -> str:
     return f"{sha256[:2]}/{sha256}"
 
 
-def blob_put_bytes(data: bytes) -> Blob:
+def blob_put_bytes(data: bytes, *, expect_sha256: str | None = None) -> Blob:
+    """Store ``data`` under its hash; with ``expect_sha256``, only if it hashes to that."""
     sha = hashlib.sha256(data).hexdigest()
+    if expect_sha256 is not None and sha != expect_sha256:
+        return Blob(sha256=sha, size=len(data), stored=False)
     name = blob_name(sha)
     storage = _storage()
     if not storage.exists(name):
@@ -44,20 +48,29 @@ def blob_put_bytes(data: bytes) -> Blob:
     return Blob(sha256=sha, size=len(data))
 
 
-def blob_put_file(handle: BinaryIO) -> Blob:
-    """Hash a file while reading it once, then store it under its hash (streams, never all in memory)."""
+def blob_put_file(handle: BinaryIO, *, expect_sha256: str | None = None) -> Blob:
+    """Hash a file while reading it once, then store it under its hash (streams, never all in memory); with
+    ``expect_sha256``, only if it hashes to that (bytes that are not what was signed are never stored)."""
     digest, size = hashlib.sha256(), 0
     handle.seek(0)
     while chunk := handle.read(CHUNK):
         digest.update(chunk)
         size += len(chunk)
     sha = digest.hexdigest()
+    if expect_sha256 is not None and sha != expect_sha256:
+        return Blob(sha256=sha, size=size, stored=False)
     name = blob_name(sha)
     storage = _storage()
     if not storage.exists(name):
         handle.seek(0)
         storage.save(name, File(handle))
     return Blob(sha256=sha, size=size)
+
+
+def blob_delete(sha256: str) -> None:
+    """Remove a blob (nothing if it is not there). The caller makes sure nothing refers to it any more
+    (``training.federation.verification.rejected_bytes_delete``)."""
+    _storage().delete(blob_name(sha256))
 
 
 def blob_open(sha256: str):

@@ -27,8 +27,9 @@ def assignment_message(assignment: Assignment) -> dict:
     }
 
 
-def current_assignment(device_id) -> Assignment | None:
-    """The newest assignment the device has not installed (or failed) yet.
+def current_assignment(device_id, *, unacknowledged: bool = False) -> Assignment | None:
+    """The newest assignment the device has not installed (or failed) yet; with ``unacknowledged``, None when
+    the device already acknowledged that one (the socket's hello sends it only until then; REST always answers).
 
     Asked on every agent hello, where most devices have nothing pending: the first query is a narrow one
     (an index-only look-up that Django compiles in a fraction of the joined query's time); the assignment
@@ -36,9 +37,9 @@ def current_assignment(device_id) -> Assignment | None:
     pending = (
         Assignment.objects.filter(device_id=device_id, state__in=(Assignment.State.PENDING, Assignment.State.DELIVERED))
         .order_by("-seq")
-        .values_list("pk", flat=True)
+        .values_list("pk", "acked_at")
         .first()
     )
-    if pending is None:
+    if pending is None or (unacknowledged and pending[1] is not None):
         return None
-    return Assignment.objects.select_related("version__adapter__base_model", "device").filter(pk=pending).first()
+    return Assignment.objects.select_related("version__adapter__base_model", "device").filter(pk=pending[0]).first()

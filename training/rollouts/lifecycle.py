@@ -10,7 +10,6 @@ devices is still pending (``training.rollouts.progress`` says when a device is g
 from __future__ import annotations
 
 import hashlib
-import uuid
 from datetime import timedelta
 
 from django.db import transaction
@@ -217,7 +216,8 @@ def assignment_create(
 
 
 def deliver(assignment_id: int) -> bool:
-    """Push an assignment to its device if it is connected; otherwise it is picked up at the next hello."""
+    """Push an assignment to its device if it is connected; otherwise it is picked up at the next hello. The
+    command's id is the stable ``assignment-<id>`` the hello also uses, so the device's ack names the row."""
     from training.rollouts.delivery import assignment_message
 
     assignment = (
@@ -227,7 +227,7 @@ def deliver(assignment_id: int) -> bool:
         return False
     return device_command(
         str(assignment.device_id),
-        command_id=str(uuid.uuid4()),
+        command_id=f"assignment-{assignment.pk}",
         command="assignment",
         args=assignment_message(assignment),
     )

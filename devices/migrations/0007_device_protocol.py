@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("devices", "0005_personalization"),
+        ("devices", "0006_device_upload_refusal_counter"),
     ]
 
     operations = [
