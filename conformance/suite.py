@@ -295,6 +295,9 @@ class Suite:
             s("delta_wrong_offset", self.delta_wrong_offset, "download", "socket_session")
             s("delta_hash_mismatch", self.delta_hash_mismatch, "download", "socket_session")
             s("delta_replayed_counter", self.delta_replayed_counter, "delta_binary")
+            s("delta_refused_at_begin", self.delta_refused_at_begin, "download", "socket_session")
+            s("delta_abort", self.delta_abort, "download", "socket_session")
+            s("delta_result_after_reconnect", self.delta_result_after_reconnect, "download", "socket_session")
         finally:
             if self.state.socket:
                 self.state.socket.close()
@@ -633,6 +636,77 @@ class Suite:
         state = self._upload(data, signed, binary=True, final=("received", "rejected"))
         outcome, code = self._outcome(signed["envelope"]["sha256"], state)
         check((outcome, code) == ("rejected", "replayed_counter"), f"outcome {outcome} ({code})")
+
+    def delta_refused_at_begin(self) -> str:
+        """Refusals at the door: delta_error, the socket stays open, nothing was begun (a chunk is unknown)."""
+        data, signed = self._signed(salt=6, counter=6)
+        sha = signed["envelope"]["sha256"]
+        forged = {**signed, "signature": self.state.client.sign({**signed["envelope"], "counter": 7})}
+        error = self._begin(forged)  # a signature over another envelope
+        check(error["type"] == "delta_error" and error["code"] == "bad_signature", f"answered {error}")
+        year_ago = time.time() - 400 * 86400
+        old = self.state.client.delta_upload(
+            data, device_id=self.state.device_id, adapter=self.state.manifest["adapter"],
+            base_version=self.state.manifest["version"], num_samples=10, counter=6, created_at=year_ago,
+        )  # fmt: skip
+        error = self._begin(old)
+        check(error["type"] == "delta_error" and error["code"] == "bad_created_at", f"a year-old delta: {error}")
+        self.state.socket.send({"type": "delta_chunk", "sha256": sha, "offset": 0, "data": b64url(data)})
+        error = self._answer(sha)
+        check(error["type"] == "delta_error" and error["code"] == "unknown_upload", f"then a chunk: {error}")
+        return "bad_signature, bad_created_at; nothing begun"
+
+    def delta_abort(self) -> str:
+        data, signed = self._signed(salt=7, counter=8)
+        sha = signed["envelope"]["sha256"]
+        state = self._begin(signed)
+        check(state["type"] == "delta_state" and state["state"] == "uploading", f"delta_begin answered {state}")
+        self.state.socket.send(self.state.client.chunk_frame(sha256=sha, offset=0, data=data[:10]))
+        check(self._answer(sha)["offset"] == 10, "the first chunk was not taken")
+        abort = {"type": "delta_abort", "sha256": sha}
+        self.schemas.validate("DeltaAbort", abort)
+        self.state.socket.send(abort)
+        state = self._answer(sha)
+        check(state["type"] == "delta_state" and state["state"] == "aborted", f"delta_abort answered {state}")
+        again = self._begin(signed)  # begun again from nothing: the staged bytes are gone
+        check(again["type"] == "delta_state" and again["offset"] == 0, f"a new begin after the abort: {again}")
+        self.state.socket.send({"type": "delta_abort", "sha256": sha})
+        check(self._answer(sha)["state"] == "aborted", "the second abort")
+        return "aborted, begun again from offset 0"
+
+    def delta_result_after_reconnect(self) -> str:
+        """A result the device did not acknowledge comes again after the next welcome, with the same id; once
+        acknowledged, it does not."""
+        data, signed = self._signed(salt=8, counter=9)
+        sha = signed["envelope"]["sha256"]
+        state = self._upload(data, signed, binary=True)
+        self.state.socket.close()  # gone before the result could be told (or told, and not acknowledged)
+        deadline = time.monotonic() + self.result_timeout
+        while True:  # until verification is done: then the next hello brings the result
+            socket, _ = self.hello()
+            try:
+                command = socket.expect(
+                    lambda m: m.get("command") == "delta_result" and m["args"]["sha256"] == sha, "delta_result", 2
+                )
+                break
+            except StepFailed:
+                socket.close()
+                check(time.monotonic() < deadline, "no delta_result came after reconnecting")
+        check(command["id"] == f"delta-{state['delta_id']}", f"command id {command['id']!r}")
+        socket.send({"type": "ack", "id": command["id"], "ok": True})
+        socket.send({"type": "heartbeat", "seq": 1})  # the ack is handled before this heartbeat is answered
+        socket.expect_type("heartbeat_ack")
+        socket.close()
+        socket, _ = self.hello()
+        try:
+            repeat = socket.expect(
+                lambda m: m.get("command") == "delta_result" and m["args"]["sha256"] == sha, "delta_result", 1.5
+            )
+        except StepFailed:
+            repeat = None
+        check(repeat is None, "an acknowledged delta_result was sent again")
+        self.state.socket = socket
+        return f"re-sent as {command['id']} until acknowledged"
 
 
 def run(

@@ -151,7 +151,15 @@ class DeltaEnvelope(_Signed):
     size: Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER, description="the delta file's size in bytes")]
     num_samples: Positive = Field(description="how many samples the device trained on")
     counter: Whole = Field(description="unused by this device before (each counter counts once)")
-    created_at: EpochSeconds
+    created_at: Annotated[
+        float,
+        Field(
+            ge=0,
+            allow_inf_nan=False,
+            description="when the delta was made, epoch seconds; within the server's window of its own clock "
+            "(DELTA_CREATED_AT_MAX_AGE_SECONDS before, DELTA_CREATED_AT_MAX_AHEAD_SECONDS after) or bad_created_at",
+        ),
+    ]
 
 
 # --- socket: agent -> server ----------------------------------------------------------------------------------

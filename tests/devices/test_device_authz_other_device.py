@@ -25,6 +25,15 @@ from tests.training.test_delta_verification import upload
 from tests.training.test_rounds import make_delta_tensors
 
 
+def _take_refusal_count(device_id) -> tuple[int, str]:
+    """A device's refused-upload count and last code, set back to none."""
+    from devices.models import Device
+
+    row = Device.objects.get(pk=device_id)
+    Device.objects.filter(pk=device_id).update(uploads_refused=0, upload_refused_at=None, upload_refused_code="")
+    return row.uploads_refused, row.upload_refused_code
+
+
 @pytest.fixture(autouse=True)
 def _fast_password_hashing(settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
@@ -56,6 +65,8 @@ class TestDeviceCredentialsOverRest:
         response = upload(as_device(device_fleet.tokens["alpha"]), data, signed)
         assert response.status_code == 403, response.content
         assert error_code(response) == "wrong_device"
+        # The one change: alpha's refused begin is counted on alpha (devices.uploads); set back to compare.
+        assert _take_refusal_count(world.alpha.id) == (1, "wrong_device")
         assert db_state() == before, db_changes(before, db_state())
         assert device_fleet.bravo_folder() == staged
 
@@ -68,6 +79,7 @@ class TestDeviceCredentialsOverRest:
         assert queried.status_code == 404 and error_code(queried) == "not_found"
         resumed = upload(alpha, data[offset:], signed, HTTP_CONTENT_RANGE=f"bytes {offset}-{len(data) - 1}/{len(data)}")
         assert resumed.status_code == 403 and error_code(resumed) == "wrong_device"
+        assert _take_refusal_count(device_fleet.world.alpha.id) == (1, "wrong_device")
         assert db_state() == before, db_changes(before, db_state())
         assert device_fleet.bravo_folder() == staged
         # bravo still finds its upload where it left it

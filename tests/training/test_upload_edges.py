@@ -25,7 +25,7 @@ from websockets.sync.client import connect
 
 from devices.models import Device
 from edge_agent.delta import encode_delta, envelope_payload, sign_delta
-from edge_agent.protocol import b64encode, encode, encode_chunk_frame, hello_payload, sign
+from edge_agent.protocol import PROTOCOL_VERSION, b64encode, encode, encode_chunk_frame, hello_payload, sign
 from edge_agent.runtime import upload_metrics
 from tests.asgi_server import asgi_server
 from tests.training.test_rounds import make_delta_tensors
@@ -70,7 +70,7 @@ class Agent:
         self.socket = self._connection.__enter__()
         challenge = self.receive()
         signature = sign(device.key, hello_payload(nonce=challenge["nonce"], device_id=device.id))
-        self.send("hello", device_id=device.id, signature=signature)
+        self.send("hello", device_id=device.id, signature=signature, protocol=PROTOCOL_VERSION)
         self.welcome = self.receive()
         assert self.welcome["type"] == "welcome", self.welcome
 
