@@ -227,3 +227,17 @@ def test_the_rest_serializers_and_the_protocol_models_describe_the_same_device_p
         if serializer_class.__name__.endswith(("Response", "ResponseSerializer")):
             continue  # what the server answers: every field is there
         assert required == set(schema.get("required", [])), (serializer_class.__name__, model.__name__)
+
+
+@pytest.mark.django_db
+def test_the_server_serves_the_protocol_beside_the_rest_api(client):
+    served = client.get("/api/protocol/asyncapi.json")
+    assert served.status_code == 200 and served["Content-Type"].startswith("application/json")
+    assert served.json() == json.loads((DOCS / "asyncapi.json").read_text())
+    page = client.get("/api/docs/protocol/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    for name in ("Hello", "DeltaBegin", "DeltaEnvelope", "ManifestEnvelope", "AssignmentReport"):
+        assert f"id='{name.lower()}'" in html
+    assert "<td><code>counter</code></td>" in html and "9007199254740991" in html  # fields with their bounds
+    assert "href='/api/protocol/asyncapi.json'" in html and "href='/api/docs/'" in html
