@@ -100,3 +100,36 @@ def test_bad_rest_heartbeats_are_refused_and_record_nothing(enrolled):
 def test_challenge_for_a_malformed_device_id_is_refused():
     response = APIClient().post("/api/v1/device-auth/challenge/", {"device_id": "nope"}, format="json")
     assert response.status_code == 400 and "device_id" in response.json()["error"]["details"]
+
+
+@pytest.mark.django_db
+def test_a_protocol_1_token_request_works_until_the_sunset_and_is_refused_after_it(enrolled, settings):
+    from devices.models import Device
+
+    device = enrolled("active")
+    Device.objects.filter(pk=device.id).update(protocol=2)
+    # Protocol 1: no "protocol" in the body; the payload names protocol 1 and is signed in its canonical form.
+    nonce = challenge(device.id)
+    legacy = sign(key := device.key, token_request_payload(nonce=nonce, device_id=device.id, protocol=1), protocol=1)
+    body = {"device_id": device.id, "nonce": nonce, "signature": legacy}
+    assert APIClient().post("/api/v1/device-auth/token/", body, format="json").status_code == 200
+    assert Device.objects.get(pk=device.id).protocol == 1  # its manifests are signed in protocol 1's form now
+    # A protocol 2 signature sent as protocol 1 (the body's protocol is what the server checks against) fails.
+    nonce = challenge(device.id)
+    body = {
+        "device_id": device.id,
+        "nonce": nonce,
+        "signature": sign(key, token_request_payload(nonce=nonce, device_id=device.id)),
+    }
+    refused = APIClient().post("/api/v1/device-auth/token/", body, format="json")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "auth_failed"
+    settings.PROTOCOL_1_ACCEPTED_UNTIL = "2020-01-01"
+    nonce = challenge(device.id)
+    legacy = sign(key, token_request_payload(nonce=nonce, device_id=device.id, protocol=1), protocol=1)
+    late = APIClient().post(
+        "/api/v1/device-auth/token/", {"device_id": device.id, "nonce": nonce, "signature": legacy}, format="json"
+    )
+    assert late.status_code == 403 and late.json()["error"]["code"] == "protocol_unsupported"
+    assert "2020-01-01" in late.json()["error"]["message"]
+    assert exchange(device.id, challenge(device.id), key).status_code == 200  # protocol 2 still is
+    assert Device.objects.get(pk=device.id).protocol == 2

@@ -37,6 +37,7 @@ from django.utils import timezone
 
 from core.errors import Conflict, DomainError, Forbidden, NotFound, TooLarge, TooMany
 from core.queries import only_row
+from devices.identity import accepted_protocols
 from devices.uploads import RATE_LIMITED, upload_refused
 from edge_agent.delta import parse_envelope
 from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN, public_key_from_b64, verify
@@ -177,7 +178,7 @@ def _check_signature(device, envelope: dict, signature: str) -> None:
         key = public_key_from_b64(device.public_key)
     except ValueError:
         raise UploadForbidden("bad_signature", "the device has no usable public key") from None
-    if not verify(key, envelope, signature):
+    if not verify(key, envelope, signature, protocols=accepted_protocols()):
         raise UploadForbidden("bad_signature", "the envelope's signature does not verify with this device's key")
 
 

@@ -21,6 +21,7 @@ from django.db.models import Exists, OuterRef, Subquery
 from django.utils import timezone
 
 from core.queries import only_row
+from devices.identity import accepted_protocols
 from devices.models import DeviceStatus
 from edge_agent.protocol import public_key_from_b64, verify
 from training.federation.aggregation_settings import aggregation_settings
@@ -57,7 +58,7 @@ def _check_device(delta: Delta, memo: dict | None = None) -> Adapter:
         key = public_key_from_b64(device.public_key)
     except ValueError:
         raise Rejection("bad_signature", "the device has no usable public key") from None
-    if not verify(key, delta.envelope, delta.signature):
+    if not verify(key, delta.envelope, delta.signature, protocols=accepted_protocols()):
         raise Rejection("bad_signature", "the envelope's signature does not verify with this device's key")
     if device.status != DeviceStatus.ACTIVE:
         raise Rejection("device_not_active", f"the device is {device.status}; only active devices may contribute")
