@@ -118,7 +118,7 @@ DEVICE_ROUTES = {
     "device-self": ("get",),
     "device-heartbeat": ("post",),
     "device-blob": ("get",),
-    "device-delta": ("get", "put"),
+    "device-delta": ("get", "put", "delete"),
     "device-assignment": ("get",),
     "device-assignment-report": ("post",),
 }
