@@ -106,6 +106,7 @@ class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "hardware",
             "labels",
             "agent_version",
+            "protocol",
             "enrolled_at",
             "last_seen_at",
             "online",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
@@ -144,6 +145,7 @@ def device_detail(request, pk):
             "d": detail,
             "device": detail.device,
             "actions": device_actions_for(request.user, detail.device),
+            "protocol_1_until": settings.PROTOCOL_1_ACCEPTED_UNTIL,
             **device_personalization_context(detail.device.pk),
         },
     )

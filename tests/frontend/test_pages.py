@@ -346,3 +346,20 @@ def test_a_live_re_read_leaves_flash_messages_for_the_page_the_user_sees_next(pa
     background = client.get(f"/devices/{pages_world.devices[0].pk}/", headers={"X-Live-Refresh": "1"}).content.decode()
     assert "is now quarantined" not in background and 'data-testid="device-status">quarantined<' in background
     assert "is now quarantined" in client.get(f"/devices/{pages_world.devices[0].pk}/").content.decode()
+
+
+def test_the_device_page_shows_its_protocol_and_its_refused_uploads(pages_world, client_for):
+    from devices.uploads import upload_refused
+
+    device = pages_world.devices[0]
+    Device.objects.filter(pk=device.pk).update(protocol=1)
+    client = client_for("viewer")
+    html = client.get(f"/devices/{device.pk}/").content.decode()
+    assert "protocol 1 (accepted until 2027-06-30)" in html
+    assert 'data-testid="uploads-refused">none<' in html
+    upload_refused(device.pk, "bad_created_at")
+    upload_refused(device.pk, "bad_signature")
+    html = client.get(f"/devices/{device.pk}/").content.decode()
+    assert 'data-testid="uploads-refused">2 <small>last <code>bad_signature</code>' in html
+    body = client.get(f"/api/v1/devices/{device.pk}/").json()
+    assert (body["protocol"], body["uploads_refused"], body["upload_refused_code"]) == (1, 2, "bad_signature")
