@@ -434,6 +434,12 @@ class OutboxUploads:
             "metrics": upload_metrics(json.loads(metrics_path.read_text())) if metrics_path.exists() else {},
         }
 
+    def _state_of(self, sha256: str) -> str | None:
+        try:
+            return self.outbox.get(sha256).state
+        except KeyError:
+            return None
+
     def _mark(self, sha256: str, state: str, **fields) -> None:
         try:
             self.outbox.mark(sha256, state, **fields)
@@ -445,8 +451,10 @@ class OutboxUploads:
         if server_state == "uploading":
             self._mark(sha256, "uploading", bytes_acknowledged=int(state.get("offset", 0)))
         elif server_state == "received":
+            before = self._state_of(sha256)
             self._mark(sha256, "sent", bytes_acknowledged=int(state.get("size", 0)))
-            logger.info("delta %s received by the server (id %s)", sha256[:12], state.get("delta_id"))
+            if before != "sent":  # said once, not again for a repeated begin's answer
+                logger.info("delta %s received by the server (id %s)", sha256[:12], state.get("delta_id"))
         elif server_state in ("accepted", "aggregated"):
             self._mark(sha256, "accepted")
         elif server_state == "rejected":

@@ -14,8 +14,8 @@ from training.federation.aggregation import (
     combine_span_values,
     round_aggregate,
     round_deltas,
+    round_plan,
     shard_partial,
-    shards_of,
     span_gram,
     span_values,
     spans_failed,
@@ -99,17 +99,19 @@ def aggregate_round(round_id: int) -> int | None:
         round_ = _round(round_id) if mine else None
         if round_ is None:
             return None
-        deltas = round_deltas(round_)
-        shards = shards_of(round_, deltas)
-        if shards is not None:
-            chord(aggregate_shard.s(round_id, ids) for ids in shards)(combine_shards.s(round_id))
+        plan = round_plan(round_, round_deltas(round_))
+        if plan is None:  # failed, with the reason on the round
             return None
-        spans = spans_of(round_, deltas)
-        if spans is not None:  # a robust rule: each task reads its coordinate span of every delta
-            if get_strategy(round_.strategy).needs_gram(round_.params):
-                chord(aggregate_span.s(round_id, span, "gram") for span in spans)(combine_spans.s(round_id, "gram"))
+        if plan.shards is not None:
+            chord(aggregate_shard.s(round_id, ids) for ids in plan.shards)(combine_shards.s(round_id))
+            return None
+        if plan.spans is not None:  # a robust rule: each task reads its coordinate span of every delta
+            if plan.gram:
+                chord(aggregate_span.s(round_id, span, "gram") for span in plan.spans)(
+                    combine_spans.s(round_id, "gram")
+                )
             else:
-                chord(aggregate_span.s(round_id, span) for span in spans)(combine_spans.s(round_id))
+                chord(aggregate_span.s(round_id, span) for span in plan.spans)(combine_spans.s(round_id))
             return None
         version = round_aggregate(round_id=round_id)
         return version.pk if version is not None else None

@@ -168,6 +168,15 @@ class EnrollmentThrottle(SimpleRateThrottle):
     def get_cache_key(self, request, view) -> str:
         return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
 
+    def wait(self) -> float:
+        """Seconds until the oldest request in the window leaves it. DRF's own answer is None when more requests
+        are on record than the rate now allows (it was lowered meanwhile), and a 429 without Retry-After leaves
+        the client guessing."""
+        waited = super().wait()
+        if waited is not None:
+            return waited
+        return max(1.0, self.duration - (self.now - self.history[-1])) if self.history else float(self.duration)
+
 
 class DeviceAuthThrottle(EnrollmentThrottle):
     """The device sign-in (challenge, token), per client address at DEVICE_AUTH_RATE. A bucket of its own: a

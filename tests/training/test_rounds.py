@@ -352,3 +352,37 @@ def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
     time.sleep(2)
     assert AdapterVersion.objects.filter(round=done).count() == 1
     assert done.stats["deltas"] == 3 == Delta.objects.filter(round=done, state=Delta.State.AGGREGATED).count()
+
+
+def test_a_round_whose_strategy_this_code_does_not_know_fails_with_the_reason_and_is_not_queued_again(
+    trained, monkeypatch, settings, make_user
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from training import dispatch
+    from training.federation.rounds import stalled_rounds
+    from training.federation.verification import delta_verify
+    from training.tasks import aggregate_round
+
+    adapter, _, devices = trained
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})
+    adapter.refresh_from_db()
+    monkeypatch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: None)
+    for i in range(2):
+        delta = receive(devices[i], adapter, make_delta_tensors(adapter, seed=90 + i), counter=1)
+        delta_verify(delta_id=delta.pk)
+    monkeypatch.setattr(dispatch, "aggregate_round", lambda round_id: None)
+    round_ = round_close(round_=Round.objects.get(), actor=make_user("operator"))
+    # The round was closed under a strategy that an upgrade has since removed.
+    Round.objects.filter(pk=round_.pk).update(
+        strategy="vanished", closed_at=timezone.now() - timedelta(seconds=settings.ROUND_AGGREGATION_RESCUE_SECONDS + 5)
+    )
+    assert round_.pk in stalled_rounds()
+    assert aggregate_round(round_.pk) is None  # the task body, as a worker runs it
+    failed = Round.objects.get(pk=round_.pk)
+    assert failed.state == Round.State.FAILED and "unknown aggregation strategy 'vanished'" in failed.failure
+    assert failed.attempts == 1
+    assert round_.pk not in stalled_rounds()  # never queued again
+    assert AdapterVersion.objects.filter(round=failed).count() == 0

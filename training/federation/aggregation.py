@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 from django.conf import settings
@@ -111,6 +112,33 @@ def spans_of(round_: Round, deltas: list[Delta]) -> list[tuple[int, int]] | None
         return None
     spans = strategy.spans(None, spec=round_.adapter.tensor_spec, params=_params(round_))
     return spans if len(spans) > 1 else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a closed round is aggregated: in shards of deltas (the mean family), in coordinate spans (robust
+    rules; ``gram`` for the distance-based ones), or on one worker (neither)."""
+
+    shards: list[list[int]] | None = None
+    spans: list[tuple[int, int]] | None = None
+    gram: bool = False
+
+
+def round_plan(round_: Round, deltas: list[Delta]) -> Plan | None:
+    """The round's plan; None when it cannot be aggregated at all (a strategy this code does not know, e.g. one
+    removed since the round closed, or parameters it refuses): the round is failed with the reason, where an
+    error here would leave it ``aggregating`` and have it queued again every minute, forever."""
+    try:
+        shards = shards_of(round_, deltas)
+        if shards is not None:
+            return Plan(shards=shards)
+        spans = spans_of(round_, deltas)
+        if spans is not None:
+            return Plan(spans=spans, gram=get_strategy(round_.strategy).needs_gram(round_.params))
+    except (ValueError, LookupError) as exc:
+        Round.objects.filter(pk=round_.pk).update(attempts=round_.attempts + 1)
+        return _fail(round_, f"{type(exc).__name__}: {exc}")
+    return Plan()
 
 
 def _span_run(round_id: int, work) -> dict:
