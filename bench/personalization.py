@@ -256,7 +256,7 @@ def parse_args(argv=None):
         name, _, value = item.partition("=")
         if name not in types:
             parser.error(f"unknown setting {name!r}: use one of {sorted(types)}")
-        overrides[name] = {"int": int, "float": float}[types[name]](value)
+        overrides[name] = {"int": int, "float": float, "str": str}[types[name]](value)
     args.config = Config(**overrides)
     return args
 

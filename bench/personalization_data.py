@@ -55,6 +55,9 @@ class Config:
     product_lr: float = -1.0
     product_margin: float = -1.0
     product_min_val_samples: int = -1
+    # the shared adapter the product's rows train: "lora" (the family's default above) or "full" (no LoRA: every
+    # layer of the small model is a module to save, trained at lr_full: the shared "adapter" is the whole model)
+    product_adapter: str = "lora"
     # the factory base, trained centrally
     base_epochs: int = 40
     base_lr: float = 0.005

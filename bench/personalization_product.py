@@ -34,6 +34,17 @@ from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS 
 
 FAMILY = DigitsCNN()
 TARGETS, SAVED = ("conv2", "fc1"), ("head",)
+# Config.product_adapter "full": no LoRA, every layer trained and shared (a small model fine-tuned in full).
+FULL_SAVED = ("conv1", "conv2", "fc1", "head")
+
+
+def shape(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The product rows' shared adapter: (LoRA target modules, modules to save)."""
+    if config.product_adapter == "full":
+        return (), FULL_SAVED
+    if config.product_adapter != "lora":
+        raise ValueError(f"product_adapter must be lora or full, not {config.product_adapter!r}")
+    return TARGETS, SAVED
 METHOD_NAMES = ("ditto", "ditto_pull_all", "finetune", "private_modules")
 # Rows that are a method with one setting changed: ditto as it was before release_classes (every class pulled).
 VARIANTS = {"ditto_pull_all": ("ditto", {"release_classes": False})}
@@ -50,7 +61,8 @@ def settings(split: Split, method: str) -> PersonalSettings:
 
 def _train_config(split: Split, tag: int, epochs: int, **extra) -> TrainConfig:
     config = split.config
-    return TrainConfig(epochs=epochs, lr=config.lr_lora, micro_batch=config.batch, max_grad_norm=config.clip,
+    lr = config.lr_full if config.product_adapter == "full" else config.lr_lora
+    return TrainConfig(epochs=epochs, lr=lr, micro_batch=config.batch, max_grad_norm=config.clip,
                        seed=split.seed * 1_000_003 + tag, refit=True, judge_min_samples=JUDGE_MIN_SAMPLES,
                        **extra)  # fmt: skip
 
@@ -69,8 +81,9 @@ class Devices:
 
     def build(self, tensors, *, seed: int = 0):
         config = self.split.config
+        targets, saved = shape(config)
         return apply_adapter(copy.deepcopy(self.base), tensors, rank=config.rank, alpha=config.alpha,
-                             target_modules=TARGETS, modules_to_save=SAVED, seed=seed)  # fmt: skip
+                             target_modules=targets, modules_to_save=saved, seed=seed)  # fmt: skip
 
     def accuracy(self, tensors_per_device) -> np.ndarray:
         out = []
