@@ -45,6 +45,8 @@ def shape(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if config.product_adapter != "lora":
         raise ValueError(f"product_adapter must be lora or full, not {config.product_adapter!r}")
     return TARGETS, SAVED
+
+
 METHOD_NAMES = ("ditto", "ditto_pull_all", "finetune", "private_modules")
 # Rows that are a method with one setting changed: ditto as it was before release_classes (every class pulled).
 VARIANTS = {"ditto_pull_all": ("ditto", {"release_classes": False})}
