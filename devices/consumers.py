@@ -216,14 +216,15 @@ class AgentConsumer(AsyncWebsocketConsumer):
             if kind == MessageType.DELTA_BEGIN:
                 # Its envelope and metrics are the intake's to judge: a bad one is a delta_error, the socket stays.
                 return await self.on_delta(kind, message)
+            if kind == MessageType.HEARTBEAT and self.device_id is not None:
+                # The commonest message: validated once, by presence.parse_heartbeat (the same model).
+                return await self.on_heartbeat(message)
             try:
                 parsed = wire.agent_message(message)
             except ValueError as exc:
                 raise Refused(CloseCode.MALFORMED, "malformed", str(exc)) from None
             if kind == MessageType.HELLO:
                 await self.on_hello(parsed)
-            elif kind == MessageType.HEARTBEAT:
-                await self.on_heartbeat(message)
             elif kind == MessageType.DELTA_CHUNK:
                 await self.on_delta(kind, message)
             elif kind == MessageType.DELTA_ABORT:
@@ -264,7 +265,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         try:
             state = presence.parse_heartbeat(message)
         except ValueError as exc:
-            raise Refused(CloseCode.MALFORMED, "malformed", f"heartbeat: {exc}") from None
+            raise Refused(CloseCode.MALFORMED, "malformed", str(exc)) from None
         if not self._beat_is_due():
             self.early_beats += 1
             if self.early_beats >= settings.HEARTBEAT_EARLY_LIMIT:

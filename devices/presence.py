@@ -96,7 +96,7 @@ def parse_heartbeat(message: dict) -> dict:
     fields = {key: value for key, value in message.items() if key not in ("type", "personal")}
     if fields.get("metrics", {}) is None:
         del fields["metrics"]  # null: none
-    state = validated(HeartbeatState, fields).to_dict()
+    state = validated(HeartbeatState, fields, what="heartbeat").to_dict()
     return {
         "battery": state["battery"],
         "charging": state["charging"],

@@ -354,7 +354,7 @@ def _dump(data: Any) -> str:
 
 def documents() -> dict[Path, bytes]:
     """Every generated file, by path, as the code gives it now."""
-    from fleet.protocol_vectors import vector_files
+    from fleet.protocol_vectors import vector_files  # torch and safetensors: only when vectors are written
 
     files: dict[Path, bytes] = {}
     for name, schema in _schemas().items():

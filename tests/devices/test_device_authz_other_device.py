@@ -27,8 +27,6 @@ from tests.training.test_rounds import make_delta_tensors
 
 def _take_refusal_count(device_id) -> tuple[int, str]:
     """A device's refused-upload count and last code, set back to none."""
-    from devices.models import Device
-
     row = Device.objects.get(pk=device_id)
     Device.objects.filter(pk=device_id).update(uploads_refused=0, upload_refused_at=None, upload_refused_code="")
     return row.uploads_refused, row.upload_refused_code

@@ -4,6 +4,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from devices import presence
+from devices.models import Device
 from devices.services import device_transition
 from edge_agent.protocol import sign, token_request_payload
 
@@ -104,8 +105,6 @@ def test_challenge_for_a_malformed_device_id_is_refused():
 
 @pytest.mark.django_db
 def test_a_protocol_1_token_request_works_until_the_sunset_and_is_refused_after_it(enrolled, settings):
-    from devices.models import Device
-
     device = enrolled("active")
     Device.objects.filter(pk=device.id).update(protocol=2)
     # Protocol 1: no "protocol" in the body; the payload names protocol 1 and is signed in its canonical form.

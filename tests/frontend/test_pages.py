@@ -9,6 +9,7 @@ import re
 import pytest
 
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken
+from devices.uploads import upload_refused
 from tests.frontend.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -349,8 +350,6 @@ def test_a_live_re_read_leaves_flash_messages_for_the_page_the_user_sees_next(pa
 
 
 def test_the_device_page_shows_its_protocol_and_its_refused_uploads(pages_world, client_for):
-    from devices.uploads import upload_refused
-
     device = pages_world.devices[0]
     Device.objects.filter(pk=device.pk).update(protocol=1)
     client = client_for("viewer")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from accounts.services import api_token_create
+from conformance.__main__ import main
 from conformance.client import ReferenceClient, canonical
 from conformance.operator import RestOperator
 from conformance.suite import run
@@ -43,8 +45,6 @@ def server(django_db_setup, django_db_blocker, tmp_path_factory, shared_blob_roo
 def test_the_conformance_suite_passes_against_a_live_server(
     client_class, server, celery_worker_process, transactional_db, make_user
 ):
-    from accounts.services import api_token_create
-
     token = api_token_create(user=make_user("admin"), name="conformance").raw
     lines: list[str] = []
     results = run(server.url, client_class, RestOperator(server.url, token), chunk_size=0, out=lines.append)
@@ -147,9 +147,6 @@ def test_our_agent_client_reproduces_the_same_vectors():
 def test_the_command_line_runs_the_suite_and_exits_1_on_a_failure(
     server, celery_worker_process, transactional_db, make_user, capsys
 ):
-    from accounts.services import api_token_create
-    from conformance.__main__ import main
-
     token = api_token_create(user=make_user("admin"), name="conformance").raw
     code = main(["--server", server.url, "--operator-token", token, "--chunk-size", "2000"])
     out = capsys.readouterr().out

@@ -16,10 +16,12 @@ import pytest
 import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from devices.api import serializers as device_serializers
 from edge_agent import wire
 from edge_agent.codes import CODES
 from fleet import protocol_docs
 from fleet.protocol_docs import DOCS, LIMITS, ROOT
+from training.api.rollout_serializers import AssignmentReportSerializer
 
 VECTORS = DOCS / "vectors"
 
@@ -205,9 +207,6 @@ def test_the_specification_links_what_it_names():
 def test_the_rest_serializers_and_the_protocol_models_describe_the_same_device_payloads():
     """The REST views validate with DRF serializers (the OpenAPI schema comes from them); the protocol's models
     must name the same fields, each required on both sides or on neither."""
-    from devices.api import serializers as device_serializers
-    from training.api.rollout_serializers import AssignmentReportSerializer
-
     pairs = [
         (device_serializers.EnrollRequestSerializer, wire.EnrollRequest),
         (device_serializers.EnrollResponseSerializer, wire.EnrollResponse),

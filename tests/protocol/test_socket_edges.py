@@ -11,9 +11,14 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from devices import presence
+from devices.models import Device, DeviceEvent
+from devices.server_key import server_public_key_b64
 from edge_agent.manifest import verify_manifest
-from edge_agent.protocol import CloseCode, canonical_json, hello_payload, sign
+from edge_agent.protocol import CloseCode, canonical_json, hello_payload, public_key_from_b64, sign, verify
 from tests.asgi_server import asgi_server
+from training.registry.services import version_create_seeded
+from training.rollouts.manifests import manifest_sign
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -34,8 +39,6 @@ def sunset_server(django_db_setup, django_db_blocker, tmp_path_factory):
 
 @pytest.fixture
 def version(adapter, cohort):
-    from training.registry.services import version_create_seeded
-
     adapter.cohorts.add(cohort)
     return version_create_seeded(adapter=adapter, seed=11)
 
@@ -67,8 +70,6 @@ async def _hello(url: str, device, *, protocol: int | None = 2, **extra):
 
 
 def test_the_challenge_names_the_protocols_and_a_protocol_1_device_gets_manifests_in_its_form(server, enrolled):
-    from devices.models import Device
-
     device = enrolled("active")
 
     async def scenario():
@@ -93,10 +94,6 @@ def test_the_challenge_names_the_protocols_and_a_protocol_1_device_gets_manifest
 
 
 def test_manifests_are_signed_in_the_canonical_form_of_the_device_s_protocol(version, enrolled):
-    from devices.server_key import server_public_key_b64
-    from edge_agent.protocol import public_key_from_b64, verify
-    from training.rollouts.manifests import manifest_sign
-
     device = enrolled("active")
     key = server_public_key_b64()
     base = version.adapter.base_model.weights_sha256
@@ -113,8 +110,6 @@ def test_manifests_are_signed_in_the_canonical_form_of_the_device_s_protocol(ver
 
 
 def test_protocol_1_is_refused_after_its_sunset_and_protocol_2_still_welcomed(sunset_server, enrolled):
-    from devices.models import Device, DeviceEvent
-
     device = enrolled("active")
     events = DeviceEvent.objects.filter(device_id=device.id).count()
 
@@ -169,8 +164,6 @@ def test_the_limit_before_the_hello_counts_bytes_not_characters(server, enrolled
     ],
 )
 def test_a_malformed_message_is_refused_naming_its_field_and_nothing_is_recorded(server, enrolled, message, field):
-    from devices import presence
-
     device = enrolled("active")
 
     async def scenario():
@@ -189,8 +182,6 @@ def test_a_malformed_message_is_refused_naming_its_field_and_nothing_is_recorded
 
 
 def test_heartbeats_far_faster_than_the_interval_are_not_recorded_and_then_close_the_socket(server, enrolled):
-    from devices import presence
-
     device = enrolled("active")
 
     async def scenario():

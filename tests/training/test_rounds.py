@@ -12,12 +12,14 @@ from django.db import connection
 from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import encode_delta, sign_delta
+from training import dispatch
 from training.federation.intake import upload_append, upload_begin
-from training.federation.rounds import round_close, round_open
+from training.federation.rounds import round_close, round_open, stalled_rounds
 from training.federation.verification import delta_verify
 from training.models import AdapterVersion, Delta, Round
 from training.registry.blobs import blob_read
 from training.registry.services import adapter_set_aggregation, version_create_seeded
+from training.tasks import aggregate_round
 
 
 def make_delta_tensors(adapter, seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
@@ -360,11 +362,6 @@ def test_a_round_whose_strategy_this_code_does_not_know_fails_with_the_reason_an
     from datetime import timedelta
 
     from django.utils import timezone
-
-    from training import dispatch
-    from training.federation.rounds import stalled_rounds
-    from training.federation.verification import delta_verify
-    from training.tasks import aggregate_round
 
     adapter, _, devices = trained
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})

@@ -29,6 +29,7 @@ from edge_agent.protocol import PROTOCOL_VERSION, b64encode, encode, encode_chun
 from edge_agent.runtime import upload_metrics
 from tests.asgi_server import asgi_server
 from tests.training.test_rounds import make_delta_tensors
+from training.federation.verification import delta_verify
 from training.models import Assignment, Delta
 from training.registry.blobs import blob_name
 from training.registry.services import version_create_seeded
@@ -350,8 +351,6 @@ def test_bytes_that_are_not_the_signed_ones_keep_a_row_but_no_blob(server, agent
 
 
 def test_a_delta_rejected_by_verification_leaves_no_blob(server, agent, adapter, cohort, enrolled, shared_blob_root):
-    from training.federation.verification import delta_verify
-
     adapter.cohorts.add(cohort)
     version_create_seeded(adapter=adapter, seed=3)
     device = enrolled("active")
