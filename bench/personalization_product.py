@@ -24,8 +24,9 @@ import torch
 from personalization_data import Split
 from personalization_methods import Result, register
 
+from edge_agent import personal as device_pass  # released_rows, own_rows, hide_rows: as train_once calls them
 from edge_agent.families.digits import DigitsCNN, DigitsNet
-from edge_agent.lora_layers import adapter_tensors, apply_adapter
+from edge_agent.lora_layers import adapter_tensors, apply_adapter, load_adapter_tensors
 from edge_agent.personal import PersonalSettings, derive, personalize, private_keys
 from edge_agent.runtime import JUDGE_MIN_SAMPLES
 from edge_agent.samples import ReplayBuffer, local_split
@@ -34,17 +35,17 @@ from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS 
 
 FAMILY = DigitsCNN()
 TARGETS, SAVED = ("conv2", "fc1"), ("head",)
-# Config.product_adapter "full": no LoRA, every layer trained and shared (a small model fine-tuned in full).
+# Config.product_adapter "full": no LoRA, every layer trained and shared (a small model fine-tuned in full);
+# "lora_conv1": the LoRA above with the first convolution (144 weights and 16 biases) also trained in full.
 FULL_SAVED = ("conv1", "conv2", "fc1", "head")
+SHAPES = {"lora": (TARGETS, SAVED), "lora_conv1": (TARGETS, ("conv1", *SAVED)), "full": ((), FULL_SAVED)}
 
 
 def shape(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The product rows' shared adapter: (LoRA target modules, modules to save)."""
-    if config.product_adapter == "full":
-        return (), FULL_SAVED
-    if config.product_adapter != "lora":
-        raise ValueError(f"product_adapter must be lora or full, not {config.product_adapter!r}")
-    return TARGETS, SAVED
+    if config.product_adapter not in SHAPES:
+        raise ValueError(f"product_adapter must be one of {list(SHAPES)}, not {config.product_adapter!r}")
+    return SHAPES[config.product_adapter]
 
 
 METHOD_NAMES = ("ditto", "ditto_pull_all", "finetune", "private_modules")
@@ -100,53 +101,56 @@ def _devices(split: Split) -> Devices:
     return split.cache["product-devices"]
 
 
-def federated(split: Split, private: bool) -> dict:
-    """The product's federated run: shared passes, FedAvg, and each device's personal passes every round: on
-    the plain run one per ditto row (``ditto``, ``ditto_pull_all``: the same shared passes serve both, as the
-    personal model never changes what is uploaded), on the private run the head phase of ``private_modules``.
-    Returns ``{"shared", "personal": {row: [per device]}, "served": {row: [per device]}}``."""
-    key = ("product-federated", private)
+def federated(split: Split, row: str = "ditto") -> dict:
+    """The product's federated run for one row (``ditto``, ``ditto_pull_all`` or ``private_modules``): every
+    round each device runs its shared pass as ``DeviceRuntime.train_once`` does (from the installed shared
+    version with the device's own private modules, or, under ditto with ``release_classes``, its own classifier
+    rows of the classes its labels contradict, none of which it uploads a change of), the server's FedAvg makes
+    the next version, and each device runs its personal pass. Returns ``{"shared", "personal": [per device],
+    "served": [per device]}``."""
+    key = ("product-federated", row)
     if key in split.cache:
         return split.cache[key]
     fleet, config = _devices(split), split.config
-    rows = ("private_modules",) if private else ("ditto", "ditto_pull_all")
-    personal_settings = {row: settings(split, row) for row in rows}
+    private = row == "private_modules"
+    personal_settings = settings(split, row)
     shared = dict(fleet.version1)
     hidden = private_keys(shared, SAVED) if private else set()
-    personal: dict[str, list[dict | None]] = {row: [None] * config.devices for row in rows}
-    served: dict[str, list[str]] = {row: ["shared"] * config.devices for row in rows}
+    personal: list[dict | None] = [None] * config.devices
+    served = ["shared"] * config.devices
     discarded = 0
     for round_index in range(config.rounds):
-        deltas, weights = [], []
-        personal_next: dict[str, list] = {row: [] for row in rows}
+        deltas, weights, personal_next = [], [], []
         for d, (train, val) in enumerate(fleet.local):
-            own = personal["private_modules"][d] if private else None
-            model = fleet.build(derive(shared, own, personal_settings["private_modules"]) if private else shared)
+            model = fleet.build(derive(shared, personal[d], personal_settings) if private else shared)
+            rows = device_pass.released_rows(model, train, personal_settings, FAMILY)
+            if rows:
+                load_adapter_tensors(model, device_pass.own_rows(shared, personal[d], rows))
             run = _train_config(split, round_index * 1000 + d, config.local_epochs)
             result = train_adapter(model, train, val, config=run, family=FAMILY)
             trained = adapter_tensors(model)
             if result.discarded:
                 discarded += 1
             else:
-                deltas.append({k: (trained[k] - shared[k]) if k not in hidden else torch.zeros_like(v)
+                upload = device_pass.hide_rows(dict(trained), shared, rows)
+                deltas.append({k: (upload[k] - shared[k]) if k not in hidden else torch.zeros_like(v)
                                for k, v in shared.items()})  # fmt: skip
                 weights.append(max(result.num_samples, 1))
-            for row in rows:
-                outcome = personalize(
-                    build=fleet.build, shared=shared, personal=trained if private else personal[row][d], train=train,
-                    val=val, settings=personal_settings[row], family=FAMILY,
-                    config=_train_config(split, round_index * 1000 + d + 500, 1),
-                )  # fmt: skip
-                personal_next[row].append(outcome.tensors)
-                served[row][d] = outcome.serving
+            outcome = personalize(
+                build=fleet.build, shared=shared, personal=trained if private else personal[d], train=train,
+                val=val, settings=personal_settings, family=FAMILY,
+                config=_train_config(split, round_index * 1000 + d + 500, 1),
+            )  # fmt: skip
+            personal_next.append(outcome.tensors)
+            served[d] = outcome.serving
         personal = personal_next
         if deltas:
             total = float(sum(weights))
             shared = {k: v + sum(w * delta[k] for w, delta in zip(weights, deltas, strict=True)) / total
                       for k, v in shared.items()}  # fmt: skip
         if (round_index + 1) % 10 == 0:
-            print(f"  [{split.scenario} seed {split.seed}] product {'/'.join(rows)} round {round_index + 1}/"
-                  f"{config.rounds} ({discarded} updates discarded so far)", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"  [{split.scenario} seed {split.seed}] product {row} round {round_index + 1}/{config.rounds} "
+                  f"({discarded} updates discarded so far)", file=sys.stderr, flush=True)  # fmt: skip
     split.cache[key] = {"shared": shared, "personal": personal, "served": served}
     return split.cache[key]
 
@@ -155,7 +159,7 @@ def finetuned(split: Split) -> dict:
     """``finetune``: each device's personal model re-derived from the last shared version by its personal pass."""
     key = "product-finetune"
     if key not in split.cache:
-        fleet, shared = _devices(split), federated(split, private=False)["shared"]
+        fleet, shared = _devices(split), federated(split)["shared"]
         personal, served = [], []
         for d, (train, val) in enumerate(fleet.local):
             outcome = personalize(build=fleet.build, shared=shared, personal=None, train=train, val=val,
@@ -171,8 +175,7 @@ def _outcome(split: Split, method: str) -> dict:
     """``{"shared", "personal", "served"}`` of one row (per-device lists)."""
     if method == "finetune":
         return finetuned(split)
-    run = federated(split, private=method == "private_modules")
-    return {"shared": run["shared"], "personal": run["personal"][method], "served": run["served"][method]}
+    return federated(split, method)
 
 
 def _row(method: str):
@@ -192,7 +195,7 @@ def _row(method: str):
 
 def _shared(split: Split) -> Result:
     fleet = _devices(split)
-    return Result(fleet.accuracy([federated(split, private=False)["shared"]] * split.config.devices))
+    return Result(fleet.accuracy([federated(split)["shared"]] * split.config.devices))
 
 
 def _drift(replay: bool):

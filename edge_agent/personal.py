@@ -7,13 +7,16 @@ How it is made is the adapter's ``personalization`` setting, signed into the man
 
 - ``none``: no personal model; the device serves the shared version (the behaviour before personalization).
 - ``finetune``: the shared version fine-tuned on local data; re-derived from each new shared version.
-- ``ditto``: a personal adapter that lives across versions, trained with a pull ``lambda/2 ||p - s||^2`` toward
-  the installed shared adapter ``s``. With ``release_classes`` (the default) the pull is lifted from the
-  classifier's rows of the classes the device's own labels contradict: where the shared version calls at least
-  half of the device's samples of a class something else, that class's row and the rows of what it was called
-  train free. A user who names two digits the other way round gets a head of their own for those classes, while
-  every class the device agrees on (or has no samples of) stays pulled toward the shared head and is not
-  forgotten (bench/README.md, "personalization.py").
+- ``ditto``: a personal adapter that lives across versions, trained with a pull ``lambda/2 ||p - s||^2`` toward the
+  installed shared adapter ``s``. With ``release_classes`` (the default) the pull is lifted from the classifier's
+  rows of the classes the device's own labels contradict: where the shared version calls at least half of the
+  device's samples of a class something else, that class's row and the rows of what it was called train free. A
+  user who names two digits the other way round gets a head of their own for those classes, while every class the
+  device agrees on (or has no samples of) stays pulled toward the shared head and is not forgotten. The released
+  rows are the device's own in the shared pass too: it starts from the shared version with its own rows in their
+  place and uploads no change of them (``own_rows``, ``hide_rows``), so the shared head is not pulled toward one
+  user's names. Only a relabeling is released: where the shared version reads two of the device's labels as one
+  class, its inputs differ from the fleet's, and every row stays pulled (bench/README.md, "personalization.py").
 - ``private_modules``: the named modules (the classifier head, say) stay on the device: the shared pass trains
   with the device's own copy of them and uploads no change to them; the personal model is the shared version
   with the device's modules in place, which are then trained alone on local data (FedPer / FedRep).
@@ -121,18 +124,62 @@ def classifier_keys(keys, family=None) -> list[str]:
 def contradicted_classes(model: nn.Module, data: dict, *, share: float = CONTRADICTED_SHARE) -> list[int]:
     """The classes whose meaning on this device differs from the shared version's (``model``): for each label
     the device has, if the model predicts another class for at least ``share`` of its samples, that label and
-    the classes it predicted instead. Sorted; empty when the device agrees with the shared version."""
+    the classes it predicted instead. Sorted; empty when the device agrees with the shared version.
+
+    Only a relabeling counts: each of the device's labels is read as one class (the model's most frequent
+    prediction for its samples), and no two labels may be read as the same class. Where two are, the model
+    cannot tell the device's inputs apart at all (a sensor or a writer unlike the fleet's, not a user's own
+    names), which the body must learn under the pull, not a free head fitted to a few samples: nothing is
+    released (bench/README.md, "personalization.py")."""
     if not data or not size(data):
         return []
     predicted = torch.cat([logits.argmax(-1) for _, logits in batched_logits(model, data)])
     labels = torch.as_tensor(data[LABEL])
     released: set[int] = set()
+    read_as: dict[int, int] = {}
     for label in labels.unique().tolist():
         called = predicted[labels == label]
+        read_as[int(label)] = int(torch.mode(called).values)
         wrong = called[called != label]
         if len(wrong) and len(wrong) >= share * len(called):
             released.update({int(label), *(int(c) for c in wrong.unique())})
+    if len(set(read_as.values())) < len(read_as):
+        return []
     return sorted(released)
+
+
+def released_rows(
+    shared_model: nn.Module, train: dict, settings: PersonalSettings, family=None
+) -> dict[str, list[int]]:
+    """Under ``ditto`` with ``release_classes``: the classifier rows (adapter key -> class indices) of the
+    classes the device's labels contradict (``contradicted_classes`` of the shared version ``shared_model``);
+    empty otherwise. They train free of the pull in the personal pass, and are the device's own in the shared
+    pass (``own_rows``, ``hide_rows``)."""
+    if settings.method != "ditto" or not settings.release_classes or not train:
+        return {}
+    released = contradicted_classes(shared_model, train)
+    return dict.fromkeys(classifier_keys(adapter_parameters(shared_model), family), released) if released else {}
+
+
+def own_rows(shared: dict, personal: dict | None, rows: dict[str, list[int]]) -> dict:
+    """The shared tensors with the device's own rows (its personal model's) in place of the released ones: where
+    a ditto device's shared pass starts, so the shared head's rows of those classes are not pulled toward this
+    user's names for them and the body learns beside the device's own head (as FedPer's does)."""
+    out = dict(shared)
+    for key, indices in rows.items():
+        if personal and key in personal and personal[key].shape == shared[key].shape:
+            out[key] = shared[key].clone()
+            out[key][indices] = personal[key][indices]
+    return out
+
+
+def hide_rows(upload: dict, started: dict, rows: dict[str, list[int]]) -> dict:
+    """``upload`` (the trained shared adapter) with the released rows put back as installed (``started``), so no
+    change of the device's own rows leaves it: the delta is zero there."""
+    for key, indices in rows.items():
+        upload[key] = upload[key].clone()
+        upload[key][indices] = started[key][indices]
+    return upload
 
 
 def proximal_penalty(
@@ -205,10 +252,10 @@ def personalize(
     model = build(derive(shared, personal, settings))
     result, penalty, notes = None, None, []
     if settings.method == "ditto":
-        released = contradicted_classes(shared_model, train) if settings.release_classes and train_personal else []
-        keys = classifier_keys(adapter_parameters(model), family) if released else []
-        penalty = proximal_penalty(model, shared, settings.lam, free_rows=dict.fromkeys(keys, released))
-        if keys:
+        rows = released_rows(shared_model, train, settings, family) if train_personal else {}
+        penalty = proximal_penalty(model, shared, settings.lam, free_rows=rows)
+        if rows:
+            released = next(iter(rows.values()))
             notes.append(f"classes {released} train free of the pull: the device's labels contradict the shared one")
     if settings.method == "private_modules":
         private = private_keys(adapter_parameters(model), settings.private_modules)

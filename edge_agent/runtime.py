@@ -22,9 +22,18 @@ from safetensors.torch import load_file
 from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
 from edge_agent.identity import AgentState, atomic_write
-from edge_agent.lora_layers import adapter_tensors
+from edge_agent.lora_layers import adapter_tensors, load_adapter_tensors
 from edge_agent.packaging import Outbox
-from edge_agent.personal import PersonalSettings, PersonalStore, derive, personalize, private_keys
+from edge_agent.personal import (
+    PersonalSettings,
+    PersonalStore,
+    derive,
+    hide_rows,
+    own_rows,
+    personalize,
+    private_keys,
+    released_rows,
+)
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN
 from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
@@ -313,12 +322,16 @@ class DeviceRuntime:
         settings = PersonalSettings.from_training(training)
         started = {k: v.clone() for k, v in load_file(current["path"]).items()}
         private = private_keys(started, settings.private_modules) if settings.method == "private_modules" else set()
-        mine = self.personal.tensors() if private else None
+        own = settings.method == "ditto" and self.personal.state().get("adapter") == current["adapter"]
+        mine = self.personal.tensors() if private or own else None
         family, model = self._model(
-            training, derive(started, mine, settings), self.adapters.state()["base_model_sha256"]
+            training, derive(started, mine if private else None, settings), self.adapters.state()["base_model_sha256"]
         )
         count = self._pass_samples(current)
         train, val = self._recent(count)
+        rows = released_rows(model, train, settings, family)  # ditto: the classes this user names their own way
+        if rows:
+            load_adapter_tensors(model, own_rows(started, mine, rows))
         result = train_adapter(
             model, train, val, config=self._train_config(self.home / "checkpoints"), family=family,
             replay=self._replay(),
@@ -336,6 +349,7 @@ class DeviceRuntime:
         upload = self.delta_tensors(model, started)
         for key in private:  # the device's own modules: no change of them leaves the device
             upload[key] = started[key]
+        hide_rows(upload, started, rows)  # nor of its own classifier rows
         item, added = self.outbox.put_delta(
             upload,
             started,

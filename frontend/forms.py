@@ -176,7 +176,7 @@ class PersonalizationForm(forms.Form):
         required=False,
         label="Release contradicted classes",
         label_suffix="",  # the label follows its box (app.css): no colon
-        help_text="Ditto: no pull on the classes a device's own labels name differently from the shared version.",
+        help_text="Ditto: the classes a device's own labels rename are its own (trained free, never uploaded).",
     )
 
     def __init__(self, *args, adapter: Adapter, **kwargs):

@@ -117,6 +117,15 @@ def test_contradicted_classes_are_the_labels_the_shared_version_calls_otherwise_
     assert contradicted_classes(_Fixed(), {"x": torch.zeros(0, dtype=torch.long), "y": torch.zeros(0)}) == []
 
 
+def test_nothing_is_released_where_the_shared_version_reads_two_of_the_devices_labels_as_one_class():
+    # labels 3 and 6 both read as 5: not a user's own names (a relabeling is one to one) but inputs the shared
+    # version cannot tell apart, as a rotated sensor's; every row stays pulled
+    data = {"x": torch.tensor([5, 5, 5, 5, 5, 6, 4]), "y": torch.tensor([3, 3, 3, 6, 6, 6, 4])}
+    assert contradicted_classes(_Fixed(), data) == []
+    swapped = {"x": torch.tensor([6, 6, 3, 3, 4]), "y": torch.tensor([3, 3, 6, 6, 4])}  # a swap is one to one
+    assert contradicted_classes(_Fixed(), swapped) == [3, 6]
+
+
 def test_the_pull_leaves_released_rows_free_and_holds_the_others(digits, pretrained_base):
     family, _, _ = digits
     model = adapted(pretrained_base, family)
@@ -139,7 +148,8 @@ def test_the_pull_leaves_released_rows_free_and_holds_the_others(digits, pretrai
 @pytest.mark.parametrize("release", [True, False])
 def test_ditto_releases_the_classes_a_user_names_their_own_way(release, digits, pretrained_base, tmp_path):
     """A concept user (two pairs of labels swapped): with release_classes the personal pass notes the classes it
-    freed and the personal model learns the user's names for them; without it every row stays pulled."""
+    freed and the personal model learns the user's names for them, and the shared pass uploads no change of those
+    rows (they are the device's own); without it every row stays pulled and shared."""
     family, _, _ = digits
     setting = {"method": "ditto", "lambda": 1.0, "epochs": 6, "lr": 0.01, "release_classes": release}
     install(tmp_path, pretrained_base, family, version=1, training=training_manifest(family, setting))
@@ -148,5 +158,11 @@ def test_ditto_releases_the_classes_a_user_names_their_own_way(release, digits, 
     state = PersonalStore(tmp_path).state()
     freed = [note for note in state["notes"] if "train free of the pull" in note]
     assert bool(freed) == release, state["notes"]
+    delta = load(Outbox(tmp_path).pending()[0].read())  # f32: the file holds the change itself
+    head = classifier_keys(delta, family)
+    released = [int(c) for c in freed[0].split("[")[1].split("]")[0].split(",")] if release else []
+    kept = [c for c in range(10) if c not in released]
+    assert all(float(delta[key][released].abs().sum()) == 0.0 for key in head)
+    assert all(float(delta[key][kept].abs().max()) > 0.0 for key in head)
     if release:
         assert state["personal_accuracy"] > state["shared_accuracy"] + 0.05, state

@@ -6,12 +6,12 @@ what the server signed. ``Adapter.personalization`` holds only what an operator 
 through ``personalization_settings`` so the defaults live here and nowhere else (README, "Adapters and
 rollouts"; docs/protocol/README.md, "Assignments").
 
-Methods: ``none`` (the device serves the shared version), ``finetune`` (a copy of the shared version
-fine-tuned locally), ``ditto`` (a personal model kept near the shared one by a proximal term of weight
-``lambda``, lifted from the classifier rows of the classes a device's labels contradict unless
-``release_classes`` is false), ``private_modules`` (the modules named in ``private_modules`` stay on the device and are
-never uploaded). ``epochs`` and ``lr`` are the personal model's training; the device serves it only when it
-beats the shared version by ``margin`` on at least ``min_val_samples`` held-out local samples.
+Methods: ``none`` (the device serves the shared version), ``finetune`` (a copy of the shared version fine-tuned
+locally), ``ditto`` (a personal model kept near the shared one by a proximal term of weight ``lambda``, lifted from
+the classifier rows of the classes a device's labels rename, which are then the device's own and never uploaded,
+unless ``release_classes`` is false), ``private_modules`` (the modules named in ``private_modules`` stay on the
+device and are never uploaded). ``epochs`` and ``lr`` are the personal model's training; the device serves it only
+when it beats the shared version by ``margin`` on at least ``min_val_samples`` held-out local samples.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     "lr": 0.01,
     "margin": 0.01,  # accuracy the personal model must gain over the shared one before the device serves it
     "min_val_samples": 10,  # held-out local samples needed before the device judges between them
-    # ditto: no pull on the classifier rows of the classes the device's own labels contradict (bench/README.md,
-    # "personalization.py": users who name classes their own way gain 6 points, the others lose nothing)
+    # ditto: the classifier rows of the classes the device's own labels rename are its own, free of the pull and
+    # never uploaded (bench/README.md, "personalization.py")
     "release_classes": True,
 }
 METHODS = PERSONALIZATION_METHODS
