@@ -38,14 +38,17 @@ TARGETS, SAVED = ("conv2", "fc1"), ("head",)
 # Config.product_adapter "full": no LoRA, every layer trained and shared (a small model fine-tuned in full);
 # "lora_conv1": the LoRA above with the first convolution (144 weights and 16 biases) also trained in full.
 FULL_SAVED = ("conv1", "conv2", "fc1", "head")
-SHAPES = {"lora": (TARGETS, SAVED), "lora_conv1": (TARGETS, ("conv1", *SAVED)), "full": ((), FULL_SAVED)}
+ADAPTERS = ("lora", "lora_conv1", "full")
 
 
 def shape(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The product rows' shared adapter: (LoRA target modules, modules to save)."""
-    if config.product_adapter not in SHAPES:
-        raise ValueError(f"product_adapter must be one of {list(SHAPES)}, not {config.product_adapter!r}")
-    return SHAPES[config.product_adapter]
+    """The product rows' shared adapter: (LoRA target modules, modules to save). Read from the module globals
+    at call time: ``bench/personalization_minilm.py`` sets ``TARGETS`` and ``SAVED`` to MiniLM's for its run."""
+    if config.product_adapter not in ADAPTERS:
+        raise ValueError(f"product_adapter must be one of {list(ADAPTERS)}, not {config.product_adapter!r}")
+    if config.product_adapter == "full":
+        return (), FULL_SAVED
+    return TARGETS, (("conv1",) if config.product_adapter == "lora_conv1" else ()) + SAVED
 
 
 METHOD_NAMES = ("ditto", "ditto_pull_all", "finetune", "private_modules")
