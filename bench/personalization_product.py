@@ -24,9 +24,9 @@ import torch
 from personalization_data import Split
 from personalization_methods import Result, register
 
-from edge_agent import personal as device_pass  # released_rows, own_rows, hide_rows: as train_once calls them
+from edge_agent import personal as device_pass  # own_start, hide_rows: as train_once calls them
 from edge_agent.families.digits import DigitsCNN, DigitsNet
-from edge_agent.lora_layers import adapter_tensors, apply_adapter, load_adapter_tensors
+from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.personal import PersonalSettings, derive, personalize, private_keys
 from edge_agent.runtime import JUDGE_MIN_SAMPLES
 from edge_agent.samples import ReplayBuffer, local_split
@@ -126,9 +126,7 @@ def federated(split: Split, row: str = "ditto") -> dict:
         deltas, weights, personal_next = [], [], []
         for d, (train, val) in enumerate(fleet.local):
             model = fleet.build(derive(shared, personal[d], personal_settings) if private else shared)
-            rows = device_pass.released_rows(model, train, personal_settings, FAMILY)
-            if rows:
-                load_adapter_tensors(model, device_pass.own_rows(shared, personal[d], rows))
+            rows = device_pass.own_start(model, shared, personal[d], train, personal_settings, FAMILY)
             run = _train_config(split, round_index * 1000 + d, config.local_epochs)
             result = train_adapter(model, train, val, config=run, family=FAMILY)
             trained = adapter_tensors(model)
@@ -142,7 +140,7 @@ def federated(split: Split, row: str = "ditto") -> dict:
             outcome = personalize(
                 build=fleet.build, shared=shared, personal=trained if private else personal[d], train=train,
                 val=val, settings=personal_settings, family=FAMILY,
-                config=_train_config(split, round_index * 1000 + d + 500, 1),
+                config=_train_config(split, round_index * 1000 + d + 500, 1), released=rows,
             )  # fmt: skip
             personal_next.append(outcome.tensors)
             served[d] = outcome.serving

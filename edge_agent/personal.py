@@ -47,7 +47,7 @@ from torch import nn
 
 from edge_agent.families.common import LABEL, batched_logits, size
 from edge_agent.identity import atomic_write
-from edge_agent.lora_layers import PREFIX, adapter_parameters
+from edge_agent.lora_layers import PREFIX, adapter_parameters, load_adapter_tensors
 from edge_agent.protocol import PERSONALIZATION_METHODS
 from edge_agent.training import TrainConfig, TrainResult, train_adapter
 
@@ -154,7 +154,7 @@ def released_rows(
     """Under ``ditto`` with ``release_classes``: the classifier rows (adapter key -> class indices) of the
     classes the device's labels contradict (``contradicted_classes`` of the shared version ``shared_model``);
     empty otherwise. They train free of the pull in the personal pass, and are the device's own in the shared
-    pass (``own_rows``, ``hide_rows``)."""
+    pass (``own_start``, ``hide_rows``)."""
     if settings.method != "ditto" or not settings.release_classes or not train:
         return {}
     released = contradicted_classes(shared_model, train)
@@ -171,6 +171,18 @@ def own_rows(shared: dict, personal: dict | None, rows: dict[str, list[int]]) ->
             out[key] = shared[key].clone()
             out[key][indices] = personal[key][indices]
     return out
+
+
+def own_start(
+    model: nn.Module, shared: dict, personal: dict | None, train: dict, settings: PersonalSettings, family=None
+) -> dict[str, list[int]]:
+    """Where a ditto device's shared pass starts: ``model`` carries the installed shared adapter ``shared``;
+    the rows of the classes its labels rename (``released_rows``) are replaced by its own (``own_rows``).
+    Returns those rows, for ``hide_rows`` and for the personal pass (``personalize(released=...)``)."""
+    rows = released_rows(model, train, settings, family)
+    if rows:
+        load_adapter_tensors(model, own_rows(shared, personal, rows))
+    return rows
 
 
 def hide_rows(upload: dict, started: dict, rows: dict[str, list[int]]) -> dict:
@@ -240,9 +252,11 @@ def personalize(
     config: TrainConfig,
     replay=None,
     train_personal: bool = True,
+    released: dict[str, list[int]] | None = None,
 ) -> PersonalOutcome:
     """One personal pass on the device's data: start from ``derive(shared, personal)``, train as the method says
     (unless ``train_personal`` is false: then only measure), measure both models on ``val`` and choose.
+    ``released``: the rows ``own_start`` found for the same shared version and data (else found here).
     ``build(tensors)`` gives the base model carrying those adapter tensors. Used by the runtime and, on the
     same code path, by ``bench/personalization.py``."""
     shared_model = build(shared).eval()
@@ -252,7 +266,9 @@ def personalize(
     model = build(derive(shared, personal, settings))
     result, penalty, notes = None, None, []
     if settings.method == "ditto":
-        rows = released_rows(shared_model, train, settings, family) if train_personal else {}
+        rows = {}
+        if train_personal:
+            rows = released if released is not None else released_rows(shared_model, train, settings, family)
         penalty = proximal_penalty(model, shared, settings.lam, free_rows=rows)
         if rows:
             released = next(iter(rows.values()))

@@ -22,18 +22,9 @@ from safetensors.torch import load_file
 from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
 from edge_agent.identity import AgentState, atomic_write
-from edge_agent.lora_layers import adapter_tensors, load_adapter_tensors
+from edge_agent.lora_layers import adapter_tensors
 from edge_agent.packaging import Outbox
-from edge_agent.personal import (
-    PersonalSettings,
-    PersonalStore,
-    derive,
-    hide_rows,
-    own_rows,
-    personalize,
-    private_keys,
-    released_rows,
-)
+from edge_agent.personal import PersonalSettings, PersonalStore, derive, hide_rows, own_start, personalize, private_keys
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN
 from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
@@ -226,10 +217,13 @@ class DeviceRuntime:
     def _replay(self) -> ReplayBuffer:
         return ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
 
-    def personal_pass(self, current: dict, *, count: int, trained: dict | None = None, train_personal=True) -> dict:
+    def personal_pass(
+        self, current: dict, *, count: int, trained: dict | None = None, train_personal=True, released=None
+    ) -> dict:
         """Make, measure and choose the personal model from the installed shared version ``current`` and the
         first ``count`` samples (``edge_agent.personal``). ``trained`` is the shared pass's adapter, whose
-        private modules a ``private_modules`` device keeps. Marked pending first, so a pass cut short is taken
+        private modules a ``private_modules`` device keeps; ``released`` the rows its shared pass found
+        (``own_start``), not looked for twice. Marked pending first, so a pass cut short is taken
         up again (and resumes from its checkpoint) before anything else."""
         training = current["training"]
         settings = PersonalSettings.from_training(training)
@@ -261,6 +255,7 @@ class DeviceRuntime:
             config=self._train_config(self.personal.checkpoint_dir),
             replay=self._replay(),
             train_personal=train_personal,
+            released=released,
         )
         measured = outcome.personal or outcome.shared
         state = self.personal.save(
@@ -329,9 +324,7 @@ class DeviceRuntime:
         )
         count = self._pass_samples(current)
         train, val = self._recent(count)
-        rows = released_rows(model, train, settings, family)  # ditto: the classes this user names their own way
-        if rows:
-            load_adapter_tensors(model, own_rows(started, mine, rows))
+        rows = own_start(model, started, mine, train, settings, family)  # ditto: this user's own names
         result = train_adapter(
             model, train, val, config=self._train_config(self.home / "checkpoints"), family=family,
             replay=self._replay(),
@@ -343,7 +336,7 @@ class DeviceRuntime:
             (self.home / TRAINING_RUN_FILE).unlink(missing_ok=True)
             logger.info("discarded the update: %s", result.reason)
             if settings.method != "none":
-                personal = self.personal_pass(current, count=count)
+                personal = self.personal_pass(current, count=count, released=rows)
             return self._note(status="discarded", reason=result.reason, before=result.before, after=result.after,
                               personal=personal)  # fmt: skip
         upload = self.delta_tensors(model, started)
@@ -378,7 +371,7 @@ class DeviceRuntime:
             item.counter,
         )
         if settings.method != "none":
-            personal = self.personal_pass(current, count=count, trained=trained)
+            personal = self.personal_pass(current, count=count, trained=trained, released=rows)
         return self._note(
             status="trained",
             reason="policy allowed" if not force else "forced",
