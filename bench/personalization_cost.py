@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from edge_agent.families import get_family
+from edge_agent.families import default_shape, get_family
 from edge_agent.lora_layers import adapter_parameters, adapter_tensors, apply_adapter, load_adapter_tensors
 from edge_agent.personal import PersonalSettings, PersonalStore, private_keys, proximal_penalty
 from edge_agent.training import TrainConfig, train_adapter
@@ -53,21 +53,23 @@ def main(argv=None) -> int:
     family = get_family(args.family)
     base = family.build({"seed": 0})
     train, _ = family.dataset({})
-    shared_model = apply_adapter(copy.deepcopy(base), None, rank=4, alpha=8.0,
-                                 target_modules=list(family.default_targets),
-                                 modules_to_save=list(family.default_modules_to_save))  # fmt: skip
-    shared = adapter_tensors(shared_model)
+    rank, alpha = default_shape(family)  # the adapter an operator gets without choosing a shape
+
+    def adapted(tensors=None):
+        return apply_adapter(copy.deepcopy(base), tensors, rank=rank, alpha=alpha,
+                             target_modules=list(family.default_targets),
+                             modules_to_save=list(family.default_modules_to_save))  # fmt: skip
+
+    shared = adapter_tensors(adapted())
     config = TrainConfig(epochs=1000, micro_batch=16, max_steps=args.steps, patience=10**6, progress_bar=False)
-    warm = apply_adapter(copy.deepcopy(base), None, rank=4, alpha=8.0, target_modules=list(family.default_targets),
-                         modules_to_save=list(family.default_modules_to_save))  # fmt: skip
+    warm = adapted()
     _pass(warm, train, replace(config, max_steps=5), family)  # first calls allocate torch's pools: not counted
     rows = []
-    print(f"{args.family}: {sum(p.numel() for p in base.parameters()):,} base parameters; {args.steps} steps a pass, "
-          f"micro-batch 16, {torch.get_num_threads()} thread(s)", file=sys.stderr)  # fmt: skip
+    print(f"{args.family}: {sum(p.numel() for p in base.parameters()):,} base parameters; LoRA rank {rank} on "
+          f"{', '.join(family.default_targets)}; {args.steps} steps a pass, micro-batch 16, "
+          f"{torch.get_num_threads()} thread(s)", file=sys.stderr)  # fmt: skip
     for method in ("shared pass (baseline)", "finetune", "ditto", "private_modules"):
-        model = apply_adapter(copy.deepcopy(base), {k: v.clone() for k, v in shared.items()}, rank=4, alpha=8.0,
-                              target_modules=list(family.default_targets),
-                              modules_to_save=list(family.default_modules_to_save))  # fmt: skip
+        model = adapted({k: v.clone() for k, v in shared.items()})
         penalty, trainable = None, adapter_parameters(model)
         if method == "ditto":
             penalty = proximal_penalty(model, shared, PersonalSettings(method="ditto").lam)

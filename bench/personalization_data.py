@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from edge_agent.families.common import dirichlet_shards
-from edge_agent.families.digits import DigitsNet, load_split
+from edge_agent.families.digits import DigitsCNN, DigitsNet, load_split
 from edge_agent.families.digits_users import factory_split, profile_for, user_data
 
 
@@ -42,9 +42,10 @@ class Config:
     local_epochs: int = 5  # per federated round
     finetune_epochs: int = 20  # local fine-tuning (alone, after FedAvg, and both phases of forgetting)
     ditto_lambda: float = 1.0
-    # the family's default adapter: LoRA rank 4, alpha 8 on conv2 and fc1 of the frozen base, head in full
-    rank: int = 4
-    alpha: float = 8.0
+    # the family's default adapter (DigitsCNN: LoRA rank 16, alpha 32 on conv1, conv2 and fc1 of the frozen base,
+    # head in full), for the product's rows and the references' LoRA form alike
+    rank: int = DigitsCNN.default_rank
+    alpha: float = DigitsCNN.default_alpha
     # forgetting: a reservoir of the earliest training samples, a share of every batch drawn from it
     replay_capacity: int = 32
     replay_share: float = 0.5

@@ -18,21 +18,28 @@ import torch.nn.functional as F
 from personalization_data import Config, Padded
 from torch.func import grad, vmap
 
+from edge_agent.families.digits import DigitsCNN
+
 BASE_KEYS = (
     *("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"),
     *("fc1.weight", "fc1.bias", "head.weight", "head.bias"),
 )
 HEAD_KEYS = ("head.weight", "head.bias")
-LORA_KEYS = ("conv2.lora_A", "conv2.lora_B", "fc1.lora_A", "fc1.lora_B")
+
+
+def _conv_lora(params: dict, layer: str, h: torch.Tensor, z: torch.Tensor, scaling: float) -> torch.Tensor:
+    if f"{layer}.lora_A" not in params:
+        return z
+    return z + scaling * F.conv2d(F.conv2d(h, params[f"{layer}.lora_A"], padding=1), params[f"{layer}.lora_B"])
 
 
 def forward(params: dict[str, torch.Tensor], x: torch.Tensor, scaling: float) -> torch.Tensor:
-    """DigitsNet's logits for images ``x [N, 1, 8, 8]``; with ``*.lora_A`` / ``*.lora_B`` present,
-    ``conv2`` and ``fc1`` add ``scaling * B(A(input))`` (A a 3x3 convolution to ``rank`` channels, B 1x1)."""
-    h = torch.max_pool2d(torch.relu(F.conv2d(x, params["conv1.weight"], params["conv1.bias"], padding=1)), 2)
-    z = F.conv2d(h, params["conv2.weight"], params["conv2.bias"], padding=1)
-    if "conv2.lora_A" in params:
-        z = z + scaling * F.conv2d(F.conv2d(h, params["conv2.lora_A"], padding=1), params["conv2.lora_B"])
+    """DigitsNet's logits for images ``x [N, 1, 8, 8]``; with ``<layer>.lora_A`` / ``<layer>.lora_B`` present,
+    that layer (``conv1``, ``conv2`` or ``fc1``) adds ``scaling * B(A(input))`` (A a 3x3 convolution to ``rank``
+    channels and B 1x1 on a convolution, both linear on ``fc1``)."""
+    z = _conv_lora(params, "conv1", x, F.conv2d(x, params["conv1.weight"], params["conv1.bias"], padding=1), scaling)
+    h = torch.max_pool2d(torch.relu(z), 2)
+    z = _conv_lora(params, "conv2", h, F.conv2d(h, params["conv2.weight"], params["conv2.bias"], padding=1), scaling)
     h = torch.max_pool2d(torch.relu(z), 2).flatten(1)
     z = F.linear(h, params["fc1.weight"], params["fc1.bias"])
     if "fc1.lora_A" in params:
@@ -63,7 +70,7 @@ def make_form(name: str, base_state: dict[str, torch.Tensor], config: Config, se
         raise ValueError(f"unknown form {name!r}")
     generator = torch.Generator().manual_seed(seed * 31 + 5)
     start = {}
-    for layer in ("conv2", "fc1"):
+    for layer in DigitsCNN.default_targets:  # the family's default shape, as the product's adapter
         weight = base[f"{layer}.weight"]
         a_shape = (config.rank, *weight.shape[1:])
         b_shape = (weight.shape[0], config.rank, *([1, 1] if weight.dim() == 4 else []))

@@ -6,8 +6,8 @@ Each device holds template sentences (``toy_texts``) with its own topic mix (Dir
 devices (chosen by the seed) are "concept" users: they name their two most frequent topics the other way
 round (those two labels swapped, in training and test data alike).
 
-Version 1: the pretrained encoder, a fresh LoRA (rank 4 on the family's default targets) and a head trained
-"at the factory" in plain torch on a small central set of sentences (``pretrain`` on the frozen encoder's
+Version 1: the pretrained encoder, a fresh LoRA (the family's default shape: rank 4 on its default targets) and
+a head trained "at the factory" in plain torch on a small central set of sentences (``pretrain`` on the frozen encoder's
 pooled embeddings). Then the product's federated run exactly as for digits (``personalization_product``: shared
 passes with ``train_adapter``, FedAvg, each device's ``personalize`` pass) for ditto, finetune and
 private_modules with ``PERSONALIZATION_DEFAULTS`` (``--personal-epochs`` and ``--personal-lambda`` override
@@ -41,6 +41,7 @@ from personalization_data import Config
 from personalization_methods import METHODS, Result
 from torch import nn
 
+from edge_agent.families import default_shape
 from edge_agent.families.common import pretrain
 from edge_agent.families.minilm import TOPICS, MiniLMText, tokenize, toy_texts
 from edge_agent.lora_layers import adapter_tensors
@@ -79,8 +80,10 @@ class Settings:
     factory_lr: float = 0.01
 
     def product_config(self) -> Config:
-        """The product rows' settings (lr 0.01, micro-batch 16, clip 1, LoRA rank 4 / alpha 8: the references')."""
-        return Config(devices=self.devices, rounds=self.rounds, local_epochs=self.local_epochs,
+        """The product rows' settings (lr 0.01, micro-batch 16, clip 1, the family's LoRA rank and alpha: the
+        references')."""
+        rank, alpha = default_shape(FAMILY)
+        return Config(devices=self.devices, rounds=self.rounds, local_epochs=self.local_epochs, rank=rank, alpha=alpha,
                       product_epochs=self.personal_epochs, product_lambda=self.personal_lambda)  # fmt: skip
 
 

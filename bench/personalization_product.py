@@ -34,11 +34,10 @@ from edge_agent.training import TrainConfig, train_adapter
 from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS  # plain Python: no Django needed
 
 FAMILY = DigitsCNN()
-TARGETS, SAVED = ("conv2", "fc1"), ("head",)
-# Config.product_adapter "full": no LoRA, every layer trained and shared (a small model fine-tuned in full);
-# "lora_conv1": the LoRA above with the first convolution (144 weights and 16 biases) also trained in full.
+TARGETS, SAVED = FAMILY.default_targets, FAMILY.default_modules_to_save
+# Config.product_adapter "full": no LoRA, every layer trained and shared (a small model fine-tuned in full).
 FULL_SAVED = ("conv1", "conv2", "fc1", "head")
-ADAPTERS = ("lora", "lora_conv1", "full")
+ADAPTERS = ("lora", "full")
 
 
 def shape(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -46,9 +45,7 @@ def shape(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     at call time: ``bench/personalization_minilm.py`` sets ``TARGETS`` and ``SAVED`` to MiniLM's for its run."""
     if config.product_adapter not in ADAPTERS:
         raise ValueError(f"product_adapter must be one of {list(ADAPTERS)}, not {config.product_adapter!r}")
-    if config.product_adapter == "full":
-        return (), FULL_SAVED
-    return TARGETS, (("conv1",) if config.product_adapter == "lora_conv1" else ()) + SAVED
+    return ((), FULL_SAVED) if config.product_adapter == "full" else (TARGETS, SAVED)
 
 
 METHOD_NAMES = ("ditto", "ditto_pull_all", "finetune", "private_modules")

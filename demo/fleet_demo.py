@@ -63,9 +63,7 @@ def seed(*, devices: int) -> dict[str, str]:
     if adapter is None:
         adapter = adapter_create(
             name=ADAPTER,
-            base_model=base,
-            rank=4,
-            alpha=8.0,
+            base_model=base,  # the family's default shape (edge_agent/families/digits.py)
             cohorts=cohorts,
             aggregation={
                 "strategy": "fedbuff",

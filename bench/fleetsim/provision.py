@@ -71,7 +71,7 @@ def adapter_plan(family: str, delta_kb: float) -> dict:
     if family == "digits-cnn":
         # conv2 (16 -> 32, 3x3) and fc1 (128 -> 64) hold 368 values per rank; the head (650 values) is saved whole
         rank = max(1, min(256, round((delta_kb * 1024 / 4 - 650) / 368)))
-        return {"family": "digits-cnn", "family_config": {"seed": 1}, "rank": rank}
+        return {"family": "digits-cnn", "family_config": {"seed": 1}, "rank": rank, "target_modules": ["conv2", "fc1"]}
     raise ValueError(f"unknown family {family!r}: bench or digits-cnn")
 
 

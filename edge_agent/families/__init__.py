@@ -4,6 +4,8 @@ A family is an object with:
 
 - ``name``, ``default_targets`` (modules LoRA adapts, as named in ``named_modules()`` of the base) and
   ``default_modules_to_save`` (small modules trained in full, such as a classifier head);
+- optionally ``default_rank`` and ``default_alpha``: the LoRA rank and alpha of an adapter created without
+  them (default ``DEFAULT_RANK`` and ``DEFAULT_ALPHA``);
 - ``build(config) -> torch.nn.Module``: the base, randomly initialised from ``config["seed"]`` (real weights
   are loaded over it; a pretrained family such as ``minilm-text`` loads its own);
 - ``dataset(config) -> (train, test)``: its demo data, each a dict of tensors with a common first dimension
@@ -26,6 +28,14 @@ _BUILTIN = {
     "digits-cnn": "edge_agent.families.digits:DigitsCNN",
     "minilm-text": "edge_agent.families.minilm:MiniLMText",
 }
+
+
+DEFAULT_RANK, DEFAULT_ALPHA = 4, 8.0
+
+
+def default_shape(family) -> tuple[int, float]:
+    """The LoRA rank and alpha an adapter of ``family`` gets where its creator names none."""
+    return int(getattr(family, "default_rank", DEFAULT_RANK)), float(getattr(family, "default_alpha", DEFAULT_ALPHA))
 
 
 class Family(Protocol):

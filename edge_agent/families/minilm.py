@@ -121,6 +121,7 @@ class MiniLMText:
     name = "minilm-text"
     default_targets = attention_targets()
     default_modules_to_save = ("head",)
+    default_rank, default_alpha = 4, 8.0
 
     def sample_fields(self, config: dict[str, Any]) -> dict[str, SampleField]:
         """What an application hands the agent: a text and its class (``num_classes``, default the toy topics)."""

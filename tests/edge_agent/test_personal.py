@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from edge_agent.lora_layers import adapter_parameters
+from edge_agent.lora_layers import adapter_parameters, adapter_tensors
 from edge_agent.packaging import Outbox
 from edge_agent.personal import (
     PersonalSettings,
@@ -102,10 +102,15 @@ def test_unknown_methods_and_bad_values_are_refused():
 
 
 class _Fixed(torch.nn.Module):
-    """A "shared version" that calls every sample the class in its ``x`` (one-hot logits)."""
+    """A "shared version" that calls every sample the class in its ``x`` (one-hot logits times ``sureness``: at
+    the default, top-class probability 0.9998)."""
+
+    def __init__(self, sureness: float = 10.0):
+        super().__init__()
+        self.sureness = sureness
 
     def forward(self, x):
-        return torch.nn.functional.one_hot(x, 10).float()
+        return torch.nn.functional.one_hot(x, 10).float() * self.sureness
 
 
 def test_contradicted_classes_are_the_labels_the_shared_version_calls_otherwise_and_what_it_calls_them():
@@ -114,6 +119,8 @@ def test_contradicted_classes_are_the_labels_the_shared_version_calls_otherwise_
     data = {"x": torch.tensor([5, 5, 3, 7, 1, 1, 4, 4]), "y": torch.tensor([3, 3, 3, 1, 1, 1, 4, 4])}
     assert contradicted_classes(_Fixed(), data) == [3, 5]
     assert contradicted_classes(_Fixed(), {"x": torch.tensor([4]), "y": torch.tensor([4])}) == []
+    # label 4: one of its two samples called 9, a tie, not a contradiction (a skewed label mix's odd sample)
+    assert contradicted_classes(_Fixed(), {"x": torch.tensor([4, 9, 2]), "y": torch.tensor([4, 4, 2])}) == []
     assert contradicted_classes(_Fixed(), {"x": torch.zeros(0, dtype=torch.long), "y": torch.zeros(0)}) == []
 
 
@@ -124,6 +131,15 @@ def test_nothing_is_released_where_the_shared_version_reads_two_of_the_devices_l
     assert contradicted_classes(_Fixed(), data) == []
     swapped = {"x": torch.tensor([6, 6, 3, 3, 4]), "y": torch.tensor([3, 3, 6, 6, 4])}  # a swap is one to one
     assert contradicted_classes(_Fixed(), swapped) == [3, 6]
+
+
+def test_nothing_is_released_where_the_shared_version_is_unsure_of_what_it_reads():
+    # the same swap, read by a shared version that is not sure of it (top-class probability 0.45 at sureness 2,
+    # 0.89 at 4.3): a sensor it cannot read, not a user's own names; released from 0.9 (SURE)
+    swapped = {"x": torch.tensor([6, 6, 3, 3, 4]), "y": torch.tensor([3, 3, 6, 6, 4])}
+    assert contradicted_classes(_Fixed(sureness=2.0), swapped) == []
+    assert contradicted_classes(_Fixed(sureness=4.3), swapped) == []
+    assert contradicted_classes(_Fixed(sureness=4.5), swapped) == [3, 6]
 
 
 def test_the_pull_leaves_released_rows_free_and_holds_the_others(digits, pretrained_base):
@@ -152,7 +168,10 @@ def test_ditto_releases_the_classes_a_user_names_their_own_way(release, digits, 
     rows (they are the device's own); without it every row stays pulled and shared."""
     family, _, _ = digits
     setting = {"method": "ditto", "lambda": 1.0, "epochs": 6, "lr": 0.01, "release_classes": release}
-    install(tmp_path, pretrained_base, family, version=1, training=training_manifest(family, setting))
+    sure = adapter_tensors(adapted(pretrained_base, family))  # the base's head, its logits 4x: reads as sure of
+    for key in classifier_keys(sure, family):  # the user's swapped digits as a fleet's well-trained version would
+        sure[key] = sure[key] * 4.0
+    install(tmp_path, pretrained_base, family, version=1, training=training_manifest(family, setting), tensors=sure)
     runtime = device(tmp_path, scenario="concept", index=1)
     assert runtime.train_once()["status"] == "trained"
     state = PersonalStore(tmp_path).state()

@@ -19,7 +19,8 @@ from training.registry.services import build_base, version_create_seeded, versio
 
 @pytest.mark.django_db
 def test_adapter_spec_has_peft_names_and_shapes_from_the_base(adapter):
-    assert adapter.target_modules == ["conv2", "fc1"] and adapter.modules_to_save == ["head"]
+    assert adapter.target_modules == ["conv1", "conv2", "fc1"] and adapter.modules_to_save == ["head"]
+    assert adapter.tensor_spec["base_model.model.conv1.lora_A.weight"] == {"shape": [4, 1, 3, 3], "dtype": "F32"}
     assert adapter.tensor_spec["base_model.model.fc1.lora_A.weight"] == {"shape": [4, 128], "dtype": "F32"}
     assert adapter.tensor_spec["base_model.model.conv2.lora_B.weight"] == {"shape": [32, 4, 1, 1], "dtype": "F32"}
     assert adapter.tensor_spec["base_model.model.head.bias"] == {"shape": [10], "dtype": "F32"}
@@ -87,7 +88,7 @@ def _good_tensors(adapter) -> dict:
 @pytest.mark.django_db
 def test_import_through_the_api_accepts_a_matching_peft_file(api_client_for, adapter):
     tensors = _good_tensors(adapter)
-    config = {"peft_type": "LORA", "r": 4, "target_modules": ["fc1", "conv2"]}
+    config = {"peft_type": "LORA", "r": 4, "target_modules": ["fc1", "conv2", "conv1"]}
     response = _import(api_client_for("operator"), adapter, save_safetensors(tensors), config)
     assert response.status_code == 201, response.content
     assert response.json()["source"] == "import" and response.json()["parent"] == 1
@@ -191,6 +192,20 @@ def test_release_then_revoke_and_no_way_back(api_client_for, adapter):
     )
     response = operator.post(f"/api/v1/adapter-versions/{version.pk}/release/")
     assert response.status_code == 409 and response.json()["error"]["code"] == "invalid_transition"
+
+
+@pytest.mark.django_db
+def test_an_adapter_created_without_a_shape_gets_the_familys_default(api_client_for, base_model):
+    admin = api_client_for("admin")
+    created = admin.post("/api/v1/adapters/", {"name": "plain", "base_model": base_model.name}, format="json")
+    assert created.status_code == 201, created.json()
+    body = created.json()
+    assert (body["rank"], body["alpha"]) == (16, 32.0)  # digits-cnn's default_rank and default_alpha
+    assert body["target_modules"] == ["conv1", "conv2", "fc1"] and body["modules_to_save"] == ["head"]
+    assert body["tensor_spec"]["base_model.model.conv2.lora_A.weight"]["shape"] == [16, 16, 3, 3]
+    chosen = {"name": "small", "base_model": base_model.name, "rank": 2, "alpha": 4, "target_modules": ["fc1"]}
+    body = admin.post("/api/v1/adapters/", chosen, format="json").json()
+    assert (body["rank"], body["alpha"], body["target_modules"]) == (2, 4.0, ["fc1"])
 
 
 @pytest.mark.django_db

@@ -86,8 +86,18 @@ class AdapterSerializer(StrictTypesMixin, serializers.ModelSerializer):
         ]
         read_only_fields = ["id", "tensor_spec", "created_at", "latest_version"]
         extra_kwargs = {
-            "rank": {"min_value": 1, "max_value": 256},
-            "alpha": {"min_value": 0.0},
+            "rank": {
+                "min_value": 1,
+                "max_value": 256,
+                "required": False,
+                "help_text": "LoRA rank. Omit for the family's default (digits-cnn 16, minilm-text 4).",
+            },
+            "alpha": {
+                "min_value": 0.0,
+                "required": False,
+                "help_text": "LoRA alpha (the update is scaled by alpha / rank). Omit for the family's default "
+                "(digits-cnn 32, minilm-text 8).",
+            },
             "dropout": {"min_value": 0.0, "max_value": 0.9},
         }
 

@@ -87,8 +87,8 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         adapter = adapter_create(
             name=fields["name"],
             base_model=fields["base_model"],
-            rank=fields["rank"],
-            alpha=fields["alpha"],
+            rank=fields.get("rank"),
+            alpha=fields.get("alpha"),
             dropout=fields.get("dropout", 0.0),
             target_modules=fields.get("target_modules"),
             modules_to_save=fields.get("modules_to_save"),

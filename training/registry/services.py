@@ -17,7 +17,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from core.errors import Conflict, Invalid, TooLarge
-from edge_agent.families import get_family
+from edge_agent.families import default_shape, get_family
 from edge_agent.lora import initial_tensors, peft_config, tensor_spec
 from training.models import Adapter, AdapterVersion, BaseModel, Rollout, TrainingEvent
 from training.registry.artifacts import ArtifactRejected, load_checked
@@ -92,8 +92,8 @@ def adapter_create(
     *,
     name: str,
     base_model: BaseModel,
-    rank: int,
-    alpha: float,
+    rank: int | None = None,
+    alpha: float | None = None,
     dropout: float = 0.0,
     target_modules: list[str] | None = None,
     modules_to_save: list[str] | None = None,
@@ -103,6 +103,9 @@ def adapter_create(
     actor=None,
 ) -> Adapter:
     family = _family(base_model.family)
+    default_rank, default_alpha = default_shape(family)
+    rank = default_rank if rank is None else rank
+    alpha = default_alpha if alpha is None else alpha
     targets = list(target_modules or family.default_targets)
     to_save = list(family.default_modules_to_save if modules_to_save is None else modules_to_save)
     personalization = _personalization_checked(personalization or {}, modules=[*targets, *to_save])
