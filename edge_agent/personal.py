@@ -18,7 +18,8 @@ How it is made is the adapter's ``personalization`` setting, signed into the man
   place and uploads no change of them (``own_rows``, ``hide_rows``), so the shared head is not pulled toward one
   user's names. Only a relabeling is released: where the shared version reads two of the device's labels as one
   class, or misreads them unsure, its inputs differ from the fleet's, and every row stays pulled (bench/README.md,
-  "The default adapter's shape").
+  "The default adapter's shape"). A device with released rows trains its personal pass for a quarter of ``epochs``
+  (``RELEASED_EPOCHS_SHARE``): its free rows fit a handful of samples, which the full length overfits.
 - ``private_modules``: the named modules (the classifier head, say) stay on the device: the shared pass trains
   with the device's own copy of them and uploads no change to them; the personal model is the shared version
   with the device's modules in place, which are then trained alone on local data (FedPer / FedRep).
@@ -58,6 +59,11 @@ METHODS = PERSONALIZATION_METHODS
 CLASSIFIER = "head"  # the module whose rows are the classes (a family may name another: ``classifier``)
 CONTRADICTED_SHARE = 0.5  # of a class's samples the shared version must call something else (more than this)
 SURE = 0.9  # the shared version's mean top-class probability on those samples, at least (contradicted_classes)
+# ditto: the share of ``epochs`` a device with released rows trains its personal model for. Its free rows fit a
+# handful of samples of its own names, and longer runs overfit them: on the tuning seed, concept devices fell
+# from 0.855 (5 epochs) to 0.829 (10) and 0.786 (20), while feature and label devices gained from 20 (bench/README.md,
+# "The personal pass's length").
+RELEASED_EPOCHS_SHARE = 0.25
 PERSONAL_DIR = "personal"
 STATE_FILE = "state.json"
 
@@ -275,7 +281,7 @@ def personalize(
     if settings.method == "none":
         return PersonalOutcome(None, shared_metrics, {}, "shared")
     model = build(derive(shared, personal, settings))
-    result, penalty, notes = None, None, []
+    result, penalty, notes, epochs = None, None, [], settings.epochs
     if settings.method == "ditto":
         rows = {}
         if train_personal:
@@ -283,7 +289,9 @@ def personalize(
         penalty = proximal_penalty(model, shared, settings.lam, free_rows=rows)
         if rows:
             released = next(iter(rows.values()))
-            notes.append(f"classes {released} train free of the pull: the device's labels contradict the shared one")
+            epochs = max(1, math.ceil(settings.epochs * RELEASED_EPOCHS_SHARE))
+            notes.append(f"classes {released} train free of the pull: the device's labels contradict the shared one "
+                         f"({epochs} of {settings.epochs} epochs)")  # fmt: skip
     if settings.method == "private_modules":
         private = private_keys(adapter_parameters(model), settings.private_modules)
         for key, parameter in adapter_parameters(model).items():
@@ -291,8 +299,8 @@ def personalize(
     if train_personal:
         # A fixed budget of epochs, kept whole (the last epoch, not the best of a tiny validation slice by loss),
         # undone only if held-out accuracy got worse, then refit on all local data (TrainConfig.refit).
-        run = replace(config, epochs=settings.epochs, lr=settings.lr, update_replay=False, metric="accuracy",
-                      min_delta=-1.0, patience=settings.epochs + 1, refit=True,
+        run = replace(config, epochs=epochs, lr=settings.lr, update_replay=False, metric="accuracy",
+                      min_delta=-1.0, patience=epochs + 1, refit=True,
                       judge_min_samples=settings.min_val_samples)  # fmt: skip
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
         result.notes[:0] = notes

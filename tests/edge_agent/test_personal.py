@@ -4,21 +4,27 @@ uploads (its delta stays the change to the shared adapter)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from edge_agent.lora_layers import adapter_parameters, adapter_tensors
+from edge_agent.families.common import take
+from edge_agent.lora_layers import adapter_parameters, adapter_tensors, apply_adapter
 from edge_agent.packaging import Outbox
 from edge_agent.personal import (
+    RELEASED_EPOCHS_SHARE,
     PersonalSettings,
     PersonalStore,
     choose,
     classifier_keys,
     contradicted_classes,
+    personalize,
     private_keys,
     proximal_penalty,
 )
+from edge_agent.training import TrainConfig
 from tests.edge_agent.personal_support import device, install, training_manifest
 from tests.edge_agent.support import adapted
 
@@ -159,6 +165,29 @@ def test_the_pull_leaves_released_rows_free_and_holds_the_others(digits, pretrai
         assert float(gradient[[0, 1, 3, 4, 5, 6, 8, 9]].abs().min()) > 0.0
     body = [k for k in anchor if k not in keys]
     assert all(float(adapter_parameters(model)[k].grad.abs().min()) > 0 for k in body)
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_device_with_released_rows_trains_its_personal_model_a_quarter_as_long(released, digits, pretrained_base):
+    """Ditto's personal pass runs the setting's ``epochs`` (every one of them: the validation slice is too small to
+    judge by), and only ``RELEASED_EPOCHS_SHARE`` of them where rows of the head train free (their handful of own
+    samples would be overfitted by a long run)."""
+    family, train, _ = digits
+    shared = adapter_tensors(adapted(pretrained_base, family))
+
+    def build(tensors):
+        return apply_adapter(pretrained_base, tensors, rank=4, alpha=8, target_modules=list(family.default_targets),
+                             modules_to_save=list(family.default_modules_to_save), copy=True)  # fmt: skip
+
+    settings = PersonalSettings(method="ditto", lam=1.0, epochs=8, min_val_samples=10)
+    rows = dict.fromkeys(classifier_keys(shared, family), [3, 5]) if released else {}
+    outcome = personalize(build=build, shared=shared, personal=None, train=take(train, slice(0, 40)),
+                          val=take(train, slice(40, 45)), settings=settings, family=family,
+                          config=TrainConfig(seed=1), released=rows)  # fmt: skip
+    expected = math.ceil(8 * RELEASED_EPOCHS_SHARE) if released else 8
+    assert outcome.result.epochs_run == expected and not outcome.result.discarded
+    assert f"refit on all 45 local samples for {expected} epochs" in outcome.result.notes
+    assert any("train free of the pull" in note for note in outcome.result.notes) == released
 
 
 @pytest.mark.parametrize("release", [True, False])

@@ -20,10 +20,10 @@ from training.models import TrainingEvent
 
 pytestmark = pytest.mark.django_db
 
-FORM = {
+FORM = {  # the defaults (PERSONALIZATION_DEFAULTS), as the page's form posts them
     "method": "ditto",
     "lambda": "1.0",
-    "epochs": "5",
+    "epochs": "20",
     "lr": "0.01",
     "margin": "0.01",
     "min_val_samples": "10",

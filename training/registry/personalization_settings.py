@@ -26,7 +26,7 @@ PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     "method": "ditto",
     "lambda": 1.0,  # ditto's proximal weight (bench/README.md, "personalization.py": chosen on a tuning seed)
     "private_modules": ["head"],  # the modules that stay on the device under "private_modules"
-    "epochs": 5,
+    "epochs": 20,  # the personal pass (a quarter of it where ditto released rows: edge_agent/personal.py)
     "lr": 0.01,
     "margin": 0.01,  # accuracy the personal model must gain over the shared one before the device serves it
     "min_val_samples": 10,  # held-out local samples needed before the device judges between them
