@@ -18,11 +18,11 @@ def device_split(train: dict, indices, *, val_fraction: float = 0.3) -> tuple[di
     return as_tensors(local_train), as_tensors(local_val)
 
 
-def adapted(base, family, *, rank: int = 4, seed: int = 0):
-    """A copy of ``base`` carrying a fresh adapter on the family's default targets."""
+def adapted(base, family, *, rank: int = 4, seed: int = 0, tensors=None):
+    """A copy of ``base`` carrying an adapter on the family's default targets: ``tensors``, or a fresh one."""
     return apply_adapter(
         base,
-        None,
+        tensors,
         rank=rank,
         alpha=2 * rank,
         target_modules=list(family.default_targets),

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, load_file
 
 from edge_agent.families.common import take
-from edge_agent.lora_layers import adapter_parameters, adapter_tensors, apply_adapter
+from edge_agent.lora_layers import adapter_parameters, adapter_tensors
 from edge_agent.packaging import Outbox
 from edge_agent.personal import (
     RELEASED_EPOCHS_SHARE,
@@ -174,16 +174,11 @@ def test_a_device_with_released_rows_trains_its_personal_model_a_quarter_as_long
     samples would be overfitted by a long run)."""
     family, train, _ = digits
     shared = adapter_tensors(adapted(pretrained_base, family))
-
-    def build(tensors):
-        return apply_adapter(pretrained_base, tensors, rank=4, alpha=8, target_modules=list(family.default_targets),
-                             modules_to_save=list(family.default_modules_to_save), copy=True)  # fmt: skip
-
     settings = PersonalSettings(method="ditto", lam=1.0, epochs=8, min_val_samples=10)
     rows = dict.fromkeys(classifier_keys(shared, family), [3, 5]) if released else {}
-    outcome = personalize(build=build, shared=shared, personal=None, train=take(train, slice(0, 40)),
-                          val=take(train, slice(40, 45)), settings=settings, family=family,
-                          config=TrainConfig(seed=1), released=rows)  # fmt: skip
+    outcome = personalize(build=lambda tensors: adapted(pretrained_base, family, tensors=tensors), shared=shared,
+                          personal=None, train=take(train, slice(0, 40)), val=take(train, slice(40, 45)),
+                          settings=settings, family=family, config=TrainConfig(seed=1), released=rows)  # fmt: skip
     expected = math.ceil(8 * RELEASED_EPOCHS_SHARE) if released else 8
     assert outcome.result.epochs_run == expected and not outcome.result.discarded
     assert f"refit on all 45 local samples for {expected} epochs" in outcome.result.notes
