@@ -25,7 +25,7 @@ from tests.authz_routes import DEVICE_ROUTES, PUBLIC_ROUTES, routes
 from tests.authz_snapshot import db_changes, db_state
 from tests.devices.device_authz_support import DEVICE_ROUTE_METHODS, error_code, presence_of
 from tests.devices.test_device_rest_auth import as_device
-from tests.training.test_delta_verification import upload
+from tests.training.delta_support import upload
 from tests.training.test_rounds import make_delta_tensors
 
 # Every route that is neither a device route nor public, straight from the resolver (the Django admin is

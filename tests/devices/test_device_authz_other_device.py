@@ -21,7 +21,7 @@ from edge_agent.identity import public_key_b64
 from tests.authz_snapshot import db_changes, db_state
 from tests.devices.device_authz_support import DEVICE_ROUTE_METHODS, _bravo_finished_upload, error_code, presence_of
 from tests.devices.test_device_rest_auth import as_device, challenge, exchange
-from tests.training.test_delta_verification import upload
+from tests.training.delta_support import upload
 from tests.training.test_rounds import make_delta_tensors
 
 

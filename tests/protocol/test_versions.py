@@ -10,7 +10,7 @@ import pytest
 
 from edge_agent.delta import encode_delta, envelope_payload
 from edge_agent.protocol import canonical_json, sign
-from tests.training.test_delta_verification import setup, small_delta, upload  # noqa: F401  (fixture)
+from tests.training.delta_support import setup, small_delta, upload  # noqa: F401  (fixture)
 from training.federation.verification import delta_verify
 from training.models import Delta
 

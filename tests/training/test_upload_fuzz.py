@@ -31,7 +31,7 @@ from rest_framework.test import APIClient
 
 from edge_agent.delta import encode_delta, sign_delta
 from edge_agent.protocol import public_key_from_b64, verify
-from tests.training.test_delta_verification import small_delta
+from tests.training.delta_support import small_delta
 from tests.training.upload_fuzz_families import FAMILIES
 from tests.training.upload_fuzz_support import (
     CONTROL_COUNTER,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from edge_agent.delta import encode_delta
-from tests.training.test_delta_verification import small_delta
+from tests.training.delta_support import small_delta
 from tests.training.upload_fuzz_support import Harness, flip_bits, framed, split
 
 
