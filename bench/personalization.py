@@ -270,20 +270,27 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     command = ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
     began, cpu, load_before = time.monotonic(), time.process_time(), os.getloadavg()
-    runs = []
-    for scenario in args.scenarios:
-        for seed in args.seeds:
-            runs += run_split(scenario, seed, args.config, args.methods)
-    data = {
-        "command": command, "seconds": time.monotonic() - began, "cpu_seconds": time.process_time() - cpu,
-        "load_before": load_before, "load_after": os.getloadavg(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "seeds": args.seeds, "config": args.config.as_dict(), "rows": summarize(runs),
-        "runs_done": sum(r["method"] != "_split" for r in runs), "runs": runs,
-    }  # fmt: skip
-    report(data)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(data, indent=1))
+    runs: list[dict] = []
+
+    def results(complete: bool) -> dict:
+        data = {
+            "command": command, "seconds": time.monotonic() - began, "cpu_seconds": time.process_time() - cpu,
+            "load_before": load_before, "load_after": os.getloadavg(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "seeds": args.seeds, "config": args.config.as_dict(), "rows": summarize(runs),
+            "runs_done": sum(r["method"] != "_split" for r in runs), "complete": complete, "runs": runs,
+        }  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1))
+        return data
+
+    splits = [(scenario, seed) for scenario in args.scenarios for seed in args.seeds]
+    for done, (scenario, seed) in enumerate(splits, 1):
+        runs += run_split(scenario, seed, args.config, args.methods)
+        if done < len(splits):  # a long run cut short keeps what it finished (--from-json reads it)
+            results(complete=False)
+            print(f"{done}/{len(splits)} splits done; so far in {os.path.relpath(args.json, ROOT)}", file=sys.stderr)
+    report(results(complete=True))
     print(f"wrote {os.path.relpath(args.json, ROOT)}", file=sys.stderr)
     return 0
 
