@@ -36,6 +36,13 @@ class NotReady(RuntimeError):
     """No adapter is installed yet: the family (and so the sample schema and the model) is not known."""
 
 
+NOT_INSTALLED = (
+    "no adapter installed yet: the agent must receive its first assignment, which names the family and so what a "
+    "sample is. Run `edge-agent run` on an approved device until `edge-agent status` shows a version installed; "
+    "files dropped in the inbox meanwhile wait there and are taken then"
+)
+
+
 class Agent:
     def __init__(self, home: Path | str | None = None):
         self.home = Path(home) if home is not None else default_home()
@@ -49,7 +56,7 @@ class Agent:
     def _current(self) -> dict:
         current = self.adapters.state().get("current")
         if not current or not current.get("training"):
-            raise NotReady("no adapter installed yet: the agent must receive its first assignment")
+            raise NotReady(NOT_INSTALLED)
         return current
 
     def _family(self):
@@ -91,7 +98,7 @@ class Agent:
         state = self.adapters.state()
         current = state.get("current") or {}
         if not current.get("training"):
-            raise NotReady("no adapter installed yet: the agent must receive its first assignment")
+            raise NotReady(NOT_INSTALLED)
         personal = self.personal.state()
         tensors, serving = None, "shared"
         mine = personal.get("serving") == "personal" and personal.get("adapter") == current["adapter"]

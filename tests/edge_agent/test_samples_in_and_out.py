@@ -37,8 +37,12 @@ def _user_samples(digits, n=200):
 
 
 def test_an_agent_without_a_version_cannot_take_samples_yet(tmp_path):
-    with pytest.raises(NotReady, match="no adapter installed yet"):
+    """Refused, with what to do: the schema comes with the first version; the inbox keeps files until then."""
+    with pytest.raises(NotReady, match="no adapter installed yet") as refused:
         Agent(tmp_path).add_samples({"x": np.zeros((1, 1, 8, 8)), "y": [1]})
+    assert "`edge-agent status` shows a version installed" in str(refused.value)
+    assert "inbox" in str(refused.value)
+    assert not (tmp_path / "samples").exists() or not any((tmp_path / "samples").iterdir())
 
 
 @pytest.mark.parametrize(
