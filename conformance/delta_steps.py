@@ -14,11 +14,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from conformance.client import b64url
-from conformance.transport import StepFailed, check, safetensors_tensors, small_tensors
+from conformance.transport import Http, Schemas, StepFailed, check, safetensors_tensors, small_tensors
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for the annotation only: conformance.suite imports this module (Suite extends DeltaSteps)
     from conformance.suite import State
-    from conformance.transport import Http, Schemas
 
 
 class DeltaSteps:

@@ -21,9 +21,9 @@ from training.federation.aggregation import (
     spans_failed,
     spans_of,
 )
-from training.federation.intake import staged_expire
 from training.federation.rounds import close_due_rounds as close_due
 from training.federation.rounds import stalled_rounds
+from training.federation.staging import staged_expire
 from training.federation.strategies import get_strategy
 from training.federation.verification import delta_verify
 from training.federation.verify_queue import shard_drain

@@ -5,16 +5,20 @@ and a readable detail, and nothing of it is ever aggregated. The encodings a dev
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from devices.models import Device
 from edge_agent.delta import encode_delta
 from tests.training.delta_support import rejected, send, small_delta
 from training.federation.verification import delta_verify
-from training.models import Delta
+from training.models import Delta, Round
+from training.registry.artifacts import ArtifactRejected, read_header
+from training.registry.blobs import blob_path
 
 
 def _with_header(header: dict, body: bytes = b"") -> bytes:
@@ -46,9 +50,6 @@ def test_a_signed_delta_whose_header_names_a_tensor_twice_is_rejected_and_change
     """JSON leaves a repeated key to the reader: Python's json and the safetensors library keep the last entry,
     others the first, so a header naming a tensor twice could show the server one tensor and a device another.
     Such a file, with both entries the tensor's own, was accepted before (every reader here loads it)."""
-    from devices.models import Device
-    from training.models import Round
-
     adapter, _, device, _ = setup
     good = encode_delta(small_delta(adapter, seed=21))
     name = sorted(adapter.tensor_spec)[0]
@@ -78,10 +79,6 @@ def test_a_signed_delta_whose_header_names_a_tensor_twice_is_rejected_and_change
 def test_stored_bytes_that_are_not_the_signed_ones_are_found_while_reading_and_claim_no_counter(setup):
     """Verification hashes and counts the stored file in the same pass that checks its contents: a blob changed
     on disk after the upload is a ``hash_mismatch`` (not the device's doing: its counter stays free)."""
-    from pathlib import Path
-
-    from training.registry.blobs import blob_path
-
     adapter, _, _, _ = setup
     data = encode_delta(small_delta(adapter, seed=22))
     delta = send(setup, data, counter=3, verify=False)
@@ -95,8 +92,6 @@ def test_stored_bytes_that_are_not_the_signed_ones_are_found_while_reading_and_c
 
 def test_every_header_reader_of_the_server_refuses_a_tensor_named_twice():
     """Imported adapter versions and base weights go through ``read_header`` too."""
-    from training.registry.artifacts import ArtifactRejected, read_header
-
     data = save_safetensors({"a": torch.zeros(2), "b": torch.ones(3)})
     assert set(read_header(data)) == {"a", "b"}
     with pytest.raises(ArtifactRejected) as refused:

@@ -8,7 +8,8 @@ creates the ``Delta`` row (state ``received``) and enqueues its verification. Ev
 contents happens later, in the Celery worker (``training.federation.verification``).
 
 Partial files live in ``DELTA_STAGING_DIR/<device>/<sha256>.part`` with the envelope beside them; a lock per
-file keeps two connections of one device from interleaving writes.
+file keeps two connections of one device from interleaving writes (``training.federation.staging``, which
+also expires what no chunk reaches).
 
 A begin is checked in full before anything is staged: the per-device rate limits, the envelope's fields and
 its signature (the worker checks the signature again), the size, the signed ``created_at`` against the
@@ -18,14 +19,11 @@ server's clock and the metrics' schema. A refused begin stores nothing but a cou
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import math
 import re
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +40,7 @@ from devices.uploads import RATE_LIMITED, upload_refused
 from edge_agent.delta import parse_envelope
 from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN, public_key_from_b64, verify
 from training.federation.events import announce_delta
+from training.federation.staging import expire, locked
 from training.models import Delta
 from training.registry.blobs import blob_put_bytes, blob_put_file
 
@@ -115,22 +114,6 @@ def _staging(device_id, sha256: str) -> tuple[Path, Path]:
         raise UploadNotFound("unknown_upload", "no such upload: an upload is named by its sha256 (64 hex digits)")
     folder = Path(settings.DELTA_STAGING_DIR) / str(device_id)
     return folder / f"{sha256}.part", folder / f"{sha256}.json"
-
-
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115  (closed below)
-    except FileNotFoundError:  # the sweep removed the device's empty folder just now
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _existing(device, sha256: str) -> Delta | None:
@@ -311,11 +294,11 @@ def _begin(device, envelope: dict, signature: str, metrics: dict) -> UploadState
         existing = _existing(device, sha256)
         if existing is not None:
             return UploadState(sha256, size, size, existing)
-    with _locked(part):
+    with locked(part):
         if not part.exists():
             staged = list(part.parent.glob("*.part"))
             if len(staged) >= MAX_STAGED_PER_DEVICE:
-                staged = [path for path in staged if not _expire(path)]
+                staged = [path for path in staged if not expire(path)]
             if len(staged) >= MAX_STAGED_PER_DEVICE:
                 existing = _existing(device, sha256)  # a repeat of a stored file (its lock file swept) is answered
                 if existing is not None:
@@ -341,7 +324,7 @@ def upload_abort(*, device, sha256: str) -> UploadState:
     part, meta = _staging(device.pk, sha256)
     if not part.exists() and not meta.exists():
         raise UploadNotFound("unknown_upload", "no unfinished upload of this file to abort")
-    with _locked(part):
+    with locked(part):
         found = part.exists() or meta.exists()
         size = json.loads(meta.read_text())["envelope"]["size"] if meta.exists() else 0
         for path in (part, meta, part.with_suffix(".lock")):
@@ -350,69 +333,6 @@ def upload_abort(*, device, sha256: str) -> UploadState:
         raise UploadNotFound("unknown_upload", "no unfinished upload of this file to abort")
     logger.info("device %s aborted its upload of %s", device.pk, sha256[:12])
     return UploadState(sha256, size, 0, aborted=True)
-
-
-@contextmanager
-def _lock_if_free(lock_path: Path, *, create: bool):
-    """Yields True holding the lock at ``lock_path`` if no one holds it (or, without ``create``, if there is no
-    lock file: an upload takes its lock before it touches anything), False if someone does."""
-    try:
-        lock = open(lock_path, "a" if create else "r")  # noqa: SIM115  (closed below)
-    except FileNotFoundError:
-        yield True
-        return
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _expire(part: Path, now: float | None = None) -> bool:
-    """Discard a staged upload (its part, envelope and lock files) that no chunk reached for
-    DELTA_STAGED_EXPIRY_SECONDS; True if it is gone. Only when no one holds its lock: an upload being written
-    to right now is not stale. (The caller may hold another upload's lock.)"""
-    try:
-        age = (now or time.time()) - part.stat().st_mtime
-    except FileNotFoundError:
-        return True
-    if age < settings.DELTA_STAGED_EXPIRY_SECONDS:
-        return False
-    lock_path = part.with_suffix(".lock")
-    with _lock_if_free(lock_path, create=True) as free:
-        if not free:
-            return False
-        for path in (part, part.with_suffix(".json"), lock_path):
-            path.unlink(missing_ok=True)
-    logger.info("discarded a staged upload no chunk reached for %.0f s: %s", age, part)
-    return True
-
-
-def staged_expire() -> int:
-    """Beat's sweep of the staging folder: every device's stale unfinished uploads, and the lock and envelope
-    files that finished uploads leave behind once they are as old. Returns how many uploads were discarded."""
-    root = Path(settings.DELTA_STAGING_DIR)
-    if not root.is_dir():
-        return 0
-    now, expired = time.time(), 0
-    for folder in (path for path in root.iterdir() if path.is_dir()):
-        for part in folder.glob("*.part"):
-            expired += _expire(part, now)
-        for leftover in (*folder.glob("*.lock"), *folder.glob("*.json")):
-            with contextlib.suppress(FileNotFoundError):
-                if now - leftover.stat().st_mtime < settings.DELTA_STAGED_EXPIRY_SECONDS:
-                    continue
-                with _lock_if_free(leftover.with_suffix(".lock"), create=False) as free:
-                    if free and not leftover.with_suffix(".part").exists():
-                        leftover.unlink()
-        with contextlib.suppress(OSError):
-            folder.rmdir()  # only when empty
-    return expired
 
 
 def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str) -> UploadState:
@@ -424,7 +344,7 @@ def upload_append(*, device, sha256: str, offset: int, data: bytes, channel: str
     part, meta = _staging(device.pk, sha256)
     if not meta.exists() or not part.exists():  # not staged: no lock file is made for a name the device made up
         return _not_staged(device, sha256)
-    with _locked(part):
+    with locked(part):
         if not meta.exists() or not part.exists():  # finished (or aborted) by another connection meanwhile
             return _not_staged(device, sha256)
         staged = json.loads(meta.read_text())
