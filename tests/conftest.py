@@ -49,6 +49,31 @@ def _blob_storage(settings, tmp_path, shared_blob_root):
     settings.DELTA_STAGING_DIR = tmp_path / "uploads"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _flush_retried():
+    """A transactional test ends by emptying the database (one TRUNCATE of every table). The suite's Celery worker
+    may still be verifying a delta that test committed, in a transaction of its own, and PostgreSQL then breaks the
+    deadlock by failing one side; when it fails the TRUNCATE, the next test finds this one's rows. The flush is tried
+    again a few times, after the worker's transaction has ended."""
+    from django.core.management.base import CommandError
+    from django.test.testcases import TransactionTestCase
+
+    original = TransactionTestCase._fixture_teardown
+
+    def teardown(self) -> None:
+        for pause in (0.5, 1.0, 2.0):
+            try:
+                return original(self)
+            except CommandError as error:
+                print(f"flush failed ({error.__cause__!r}); trying again in {pause} s", file=sys.stderr)
+                time.sleep(pause)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TransactionTestCase, "_fixture_teardown", teardown)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _heartbeats_unspaced(settings):
     """In-process sockets take heartbeats as fast as a test sends them; the spacing rule has its own tests against
