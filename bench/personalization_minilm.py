@@ -45,7 +45,7 @@ from edge_agent.families import default_shape
 from edge_agent.families.common import pretrain
 from edge_agent.families.minilm import TOPICS, MiniLMText, tokenize, toy_texts
 from edge_agent.lora_layers import adapter_tensors
-from edge_agent.samples import local_split
+from edge_agent.samples import device_split
 from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS
 
 FAMILY = MiniLMText()
@@ -177,7 +177,7 @@ class TextDevices(product.Devices):
     def __init__(self, split: TextSplit, base: nn.Module):
         self.split, self.base = split, base
         self.version1 = adapter_tensors(self.build(None, seed=split.seed))
-        self.local = [tuple(local_split(d["train"], val_fraction=0.2)) for d in split.devices]
+        self.local = [device_split(d["train"]) for d in split.devices]
         self.tests = [d["test"] for d in split.devices]
 
 

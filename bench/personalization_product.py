@@ -3,12 +3,14 @@ training code (``edge_agent.training.train_adapter`` for the shared pass, ``edge
 for the personal one, the same calls ``DeviceRuntime.train_once`` makes), on the same split as the references.
 
 A round: every device starts from the installed shared version (with its own private modules under
-``private_modules``), trains as the agent does on its local train slice (``local_split``: every 5th sample is
-its validation slice), and, unless the agent would discard the update (local validation got worse), uploads
-the change; the server's FedAvg (weighted by samples) makes the next version. After its shared pass each device
-runs its personal pass. A row reports the model the device serves (``personalize``'s choice between personal
-and shared on its validation slice), with the personal model and the shared version as extras; ``product
-shared`` is the shared version the product reaches. Rows of one split share the federated runs (``split.cache``).
+``private_modules``), trains as the agent does on its local train slice (``device_split``: of every ten
+samples the 5th is its validation slice, the 10th held), and, unless the agent would discard the update (local
+validation got worse), uploads the change; the server's FedAvg (weighted by samples) makes the next version.
+After its shared pass each device runs its personal pass. A row reports the model the device serves
+(``personalize``'s choice between personal and shared on its held slice), with the personal model, the shared
+version and what the device itself reported of both in the last round (``reported_personal``,
+``reported_shared``, on its held slice, nan with none) as extras; ``product shared`` is the shared version the
+product reaches. Rows of one split share the federated runs (``split.cache``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from edge_agent.families.digits import DigitsCNN, DigitsNet
 from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.personal import PersonalSettings, derive, personalize, private_keys
 from edge_agent.runtime import JUDGE_MIN_SAMPLES
-from edge_agent.samples import ReplayBuffer, local_split
+from edge_agent.samples import ReplayBuffer, device_split, local_split
 from edge_agent.training import TrainConfig, train_adapter
 from training.registry.personalization_settings import PERSONALIZATION_DEFAULTS  # plain Python: no Django needed
 
@@ -72,14 +74,14 @@ def _train_config(split: Split, tag: int, epochs: int, **extra) -> TrainConfig:
 
 class Devices:
     """The fleet of one split as the agent sees it: version 1, the base to build models on, each device's local
-    train and validation slices (of its training data) and its test slice."""
+    train, validation and held slices (of its training data) and its test slice."""
 
     def __init__(self, split: Split):
         self.split = split
         self.base = DigitsNet(width=16)
         self.base.load_state_dict(split.base_state)
         self.version1 = adapter_tensors(self.build(None, seed=split.seed))
-        self.local = [tuple(local_split(d["train"], val_fraction=0.2)) for d in split.devices]
+        self.local = [device_split(d["train"]) for d in split.devices]
         self.tests = [d["test"] for d in split.devices]
 
     def build(self, tensors, *, seed: int = 0):
@@ -107,7 +109,7 @@ def federated(split: Split, row: str = "ditto") -> dict:
     version with the device's own private modules, or, under ditto with ``release_classes``, its own classifier
     rows of the classes its labels contradict, none of which it uploads a change of), the server's FedAvg makes
     the next version, and each device runs its personal pass. Returns ``{"shared", "personal": [per device],
-    "served": [per device]}``."""
+    "served": [per device], "reported": [(personal, shared) per device]}``."""
     key = ("product-federated", row)
     if key in split.cache:
         return split.cache[key]
@@ -118,10 +120,11 @@ def federated(split: Split, row: str = "ditto") -> dict:
     hidden = private_keys(shared, SAVED) if private else set()
     personal: list[dict | None] = [None] * config.devices
     served = ["shared"] * config.devices
+    reported = [(np.nan, np.nan)] * config.devices
     discarded = 0
     for round_index in range(config.rounds):
         deltas, weights, personal_next = [], [], []
-        for d, (train, val) in enumerate(fleet.local):
+        for d, (train, val, held) in enumerate(fleet.local):
             model = fleet.build(derive(shared, personal[d], personal_settings) if private else shared)
             rows = device_pass.own_start(model, shared, personal[d], train, personal_settings, FAMILY)
             run = _train_config(split, round_index * 1000 + d, config.local_epochs)
@@ -136,11 +139,12 @@ def federated(split: Split, row: str = "ditto") -> dict:
                 weights.append(max(result.num_samples, 1))
             outcome = personalize(
                 build=fleet.build, shared=shared, personal=trained if private else personal[d], train=train,
-                val=val, settings=personal_settings, family=FAMILY,
+                val=val, held=held, settings=personal_settings, family=FAMILY,
                 config=_train_config(split, round_index * 1000 + d + 500, 1), released=rows,
             )  # fmt: skip
             personal_next.append(outcome.tensors)
             served[d] = outcome.serving
+            reported[d] = (outcome.personal.get("accuracy", np.nan), outcome.shared.get("accuracy", np.nan))
         personal = personal_next
         if deltas:
             total = float(sum(weights))
@@ -149,7 +153,7 @@ def federated(split: Split, row: str = "ditto") -> dict:
         if (round_index + 1) % 10 == 0:
             print(f"  [{split.scenario} seed {split.seed}] product {row} round {round_index + 1}/{config.rounds} "
                   f"({discarded} updates discarded so far)", file=sys.stderr, flush=True)  # fmt: skip
-    split.cache[key] = {"shared": shared, "personal": personal, "served": served}
+    split.cache[key] = {"shared": shared, "personal": personal, "served": served, "reported": reported}
     return split.cache[key]
 
 
@@ -158,14 +162,15 @@ def finetuned(split: Split) -> dict:
     key = "product-finetune"
     if key not in split.cache:
         fleet, shared = _devices(split), federated(split)["shared"]
-        personal, served = [], []
-        for d, (train, val) in enumerate(fleet.local):
-            outcome = personalize(build=fleet.build, shared=shared, personal=None, train=train, val=val,
+        personal, served, reported = [], [], []
+        for d, (train, val, held) in enumerate(fleet.local):
+            outcome = personalize(build=fleet.build, shared=shared, personal=None, train=train, val=val, held=held,
                                   settings=settings(split, "finetune"), family=FAMILY,
                                   config=_train_config(split, 900_000 + d, 1))  # fmt: skip
             personal.append(outcome.tensors)
             served.append(outcome.serving)
-        split.cache[key] = {"shared": shared, "personal": personal, "served": served}
+            reported.append((outcome.personal.get("accuracy", np.nan), outcome.shared.get("accuracy", np.nan)))
+        split.cache[key] = {"shared": shared, "personal": personal, "served": served, "reported": reported}
     return split.cache[key]
 
 
@@ -185,7 +190,9 @@ def _row(method: str):
         return Result(
             fleet.accuracy(served),
             {"personal": fleet.accuracy(personal), "shared": fleet.accuracy([shared] * len(personal)),
-             "serving_personal": np.asarray([s == "personal" for s in outcome["served"]], dtype=float)},
+             "serving_personal": np.asarray([s == "personal" for s in outcome["served"]], dtype=float),
+             "reported_personal": np.asarray([p for p, _ in outcome["reported"]], dtype=float),
+             "reported_shared": np.asarray([s for _, s in outcome["reported"]], dtype=float)},
         )  # fmt: skip
 
     return run
@@ -207,7 +214,7 @@ def _drift(replay: bool):
             for d, device in enumerate(split.devices):
                 model = fleet.build(fleet.version1)
                 buffer = ReplayBuffer(Path(folder) / f"replay-{d}.npz", capacity=config.replay_capacity, seed=d)
-                early_train, early_val = fleet.local[d]
+                early_train, early_val = local_split(device["train"], val_fraction=0.2)  # no personal pass here
                 first = _train_config(split, 700_000 + d, config.finetune_epochs)
                 train_adapter(model, early_train, early_val, config=first, family=FAMILY, replay=buffer)
                 before.append(adapter_tensors(model))

@@ -25,8 +25,9 @@ How it is made is the adapter's ``personalization`` setting, signed into the man
   with the device's modules in place, which are then trained alone on local data (FedPer / FedRep).
 
 Whatever the method, the uploaded delta keeps its meaning (the change to the shared adapter). After each pass
-the device measures the shared version and its personal model on its local validation slice and serves the
-personal one only where it is better by ``margin`` on at least ``min_val_samples`` samples.
+the device measures the shared version and its personal model on its held slice (``device_split``: every 10th
+sample, which no pass of either model trains on) and serves the personal one only where it is better by
+``margin`` on at least ``min_val_samples`` samples.
 
 On disk (``<home>/personal/``): ``state.json`` (the method, which shared version the model derives from, the
 last measurement, what is served) and the adapter file it names (``adapter-<n>.safetensors``). A new model is
@@ -237,17 +238,17 @@ def proximal_penalty(
 @dataclass
 class PersonalOutcome:
     tensors: dict[str, torch.Tensor] | None  # the personal adapter (None with method "none")
-    shared: dict[str, float]  # the shared version on the local validation slice
-    personal: dict[str, float]  # the personal model on it
+    shared: dict[str, float]  # the shared version on the device's held slice
+    personal: dict[str, float]  # the personal model (as kept, after its refit) on it
     serving: str  # "personal" or "shared"
     result: TrainResult | None = None
     notes: list[str] = field(default_factory=list)
 
 
 def choose(shared: dict, personal: dict, settings: PersonalSettings) -> str:
-    """Which model the device serves. The personal one, unless local validation says it does not help: on at
+    """Which model the device serves. The personal one, unless the held slice says it does not help: on at
     least ``min_val_samples`` samples it is not better than the shared version by ``margin``. A device with
-    fewer validation samples than that cannot tell the two apart and keeps its personal model, which every
+    fewer held samples than that cannot tell the two apart and keeps its personal model, which every
     method keeps near the shared version or trains from it (bench/README.md, "personalization.py")."""
     if settings.method == "none" or not personal or not shared:
         return "shared"
@@ -264,6 +265,7 @@ def personalize(
     personal: dict[str, torch.Tensor] | None,
     train: dict,
     val: dict,
+    held: dict,
     settings: PersonalSettings,
     family,
     config: TrainConfig,
@@ -271,13 +273,15 @@ def personalize(
     train_personal: bool = True,
     released: dict[str, list[int]] | None = None,
 ) -> PersonalOutcome:
-    """One personal pass on the device's data: start from ``derive(shared, personal)``, train as the method says
-    (unless ``train_personal`` is false: then only measure), measure both models on ``val`` and choose.
+    """One personal pass on the device's data: start from ``derive(shared, personal)``, train on ``train`` as the
+    method says, judged on ``val`` and then refit on both (unless ``train_personal`` is false: then only
+    measure), measure both models on ``held`` and choose. ``held`` is what neither this pass nor any earlier one
+    of either model trained on (``device_split``), so the two figures and the gain between them are held out.
     ``released``: the rows ``own_start`` found for the same shared version and data (else found here).
     ``build(tensors)`` gives the base model carrying those adapter tensors. Used by the runtime and, on the
     same code path, by ``bench/personalization.py``."""
     shared_model = build(shared).eval()
-    shared_metrics = family.evaluate(shared_model, val)
+    shared_metrics = family.evaluate(shared_model, held)
     if settings.method == "none":
         return PersonalOutcome(None, shared_metrics, {}, "shared")
     model = build(derive(shared, personal, settings))
@@ -305,12 +309,7 @@ def personalize(
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
         result.notes[:0] = notes
     tensors = {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model).items()}
-    if result is not None and result.after and not result.discarded:
-        personal_metrics = dict(result.after)  # held out: a refit run has seen the validation slice since
-    elif result is not None and result.before:
-        personal_metrics = dict(result.before)  # discarded: the starting model, as it was measured
-    else:
-        personal_metrics = family.evaluate(model.eval(), val)
+    personal_metrics = family.evaluate(model.eval(), held)  # the model kept: refit, trained or undone
     return PersonalOutcome(
         tensors, shared_metrics, personal_metrics, choose(shared_metrics, personal_metrics, settings), result
     )

@@ -27,14 +27,13 @@ from edge_agent.packaging import Outbox
 from edge_agent.personal import PersonalSettings, PersonalStore, derive, hide_rows, own_start, personalize, private_keys
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN
-from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
+from edge_agent.samples import SPLIT_EVERY, ReplayBuffer, SampleStore, SimulatedStream, device_split
 from edge_agent.training import TrainConfig, train_adapter
 
 logger = logging.getLogger("edge_agent.runtime")
 CONFIG_FILE = "settings.json"
 LAST_TRAINING_FILE = "last_training.json"
 TRAINING_RUN_FILE = "training_run.json"  # the samples a training pass uses, until it has ended
-VAL_EVERY = 5  # every 5th sample in arrival order is local validation (local_split's val_fraction 0.2)
 JUDGE_MIN_SAMPLES = 10  # a smaller validation slice does not stop, pick or discard a pass (TrainConfig)
 
 
@@ -128,26 +127,27 @@ class DeviceRuntime:
             per_poll=int(data.get("per_poll", 16)),
             seed=int(data.get("device_index", 0)),
             wrap=bool(data.get("wrap", True)),
-            multiple=VAL_EVERY,
+            multiple=SPLIT_EVERY,
         )
         stream.seek(len(self.samples))
         return stream
 
     def _window(self, count: int) -> int:
         """Where this pass's samples start: the newest ``train_window`` of the first ``count`` (older ones live
-        on in the replay buffer), on a multiple of ``VAL_EVERY`` so every sample keeps its train/validation
-        side."""
+        on in the replay buffer), on a multiple of ``SPLIT_EVERY`` so every sample keeps its slice
+        (``device_split``)."""
         window = int(self.config.train_window or 0)
         if not window or count <= window:
             return 0
         start = count - window
-        return start + (-start % VAL_EVERY)
+        return start + (-start % SPLIT_EVERY)
 
     def _model(self, training: dict, tensors: dict, base_sha: str):
         return get_family(training["family"]), build_model(training, tensors, self.adapters.base_path(base_sha))
 
     def evaluate_versions(self, previous: Path | None, candidate: Path, manifest: dict) -> dict:
-        """Guard metrics for an assignment: the candidate on this device's local validation slice, and the
+        """Guard metrics for an assignment: the candidate on this device's held slice (``device_split``: no pass
+        trained on it, so the figures do not favour the version the device's own data went into), and the
         change against the version it replaces (when there is one and it was trained the same way); with a
         personal model, that model as the candidate would carry it (``personal_accuracy``, ``personal_gain``
         against ``shared_accuracy``), so rollout guards can hold a version that leaves personal models worse."""
@@ -162,8 +162,8 @@ class DeviceRuntime:
             return {}
         total = len(self.samples)
         recent = self.samples.load(self._window(total), total)
-        _, val = local_split({k: torch.as_tensor(v) for k, v in recent.items()}, val_fraction=1 / VAL_EVERY)
-        if not len(next(iter(val.values()))):
+        _, _, held = device_split({k: torch.as_tensor(v) for k, v in recent.items()})
+        if not len(next(iter(held.values()))):
             return {}
         metrics: dict[str, float] = {}
         for label, path in (("", candidate), ("previous_", previous)):
@@ -171,7 +171,7 @@ class DeviceRuntime:
                 continue
             _, model = self._model(training, load_file(str(path)), manifest["base_model_sha256"])
             with torch.no_grad():
-                for name, value in family.evaluate(model.eval(), val).items():
+                for name, value in family.evaluate(model.eval(), held).items():
                     metrics[f"{label}val_{name}"] = round(float(value), 6)
         for name in [k for k in metrics if not k.startswith("previous_")]:
             if f"previous_{name}" in metrics:
@@ -181,7 +181,7 @@ class DeviceRuntime:
         if settings.method != "none" and mine is not None and "val_accuracy" in metrics:
             tensors = derive(load_file(str(candidate)), mine, settings)
             _, model = self._model(training, tensors, manifest["base_model_sha256"])
-            personal = round(float(family.evaluate(model.eval(), val)["accuracy"]), 6)
+            personal = round(float(family.evaluate(model.eval(), held)["accuracy"]), 6)
             metrics |= {"shared_accuracy": metrics["val_accuracy"], "personal_accuracy": personal,
                         "personal_gain": round(personal - metrics["val_accuracy"], 6)}  # fmt: skip
         return metrics
@@ -205,10 +205,11 @@ class DeviceRuntime:
         """The adapter to upload the change of (a hook: the demo's misbehaving device overrides it)."""
         return adapter_tensors(model)
 
-    def _recent(self, count: int) -> tuple[dict, dict]:
-        """The local train and validation slices of this pass: the newest ``train_window`` of ``count``."""
+    def _recent(self, count: int) -> tuple[dict, dict, dict]:
+        """The local train, validation and held slices (``device_split``) of this pass: the newest
+        ``train_window`` of ``count``."""
         data = {k: torch.as_tensor(v) for k, v in self.samples.load(self._window(count), count).items()}
-        return local_split(data, val_fraction=1 / VAL_EVERY)
+        return device_split(data)
 
     def _train_config(self, checkpoint_dir: Path) -> TrainConfig:
         defaults = {"refit": True, "judge_min_samples": JUDGE_MIN_SAMPLES}
@@ -242,7 +243,7 @@ class DeviceRuntime:
         elif resumed.get("start") and resumed.get("sha256") == current["sha256"] and self.personal.start_path.exists():
             personal, pending["start"] = load_file(str(self.personal.start_path)), True
         self.personal.save(None, pending=pending)
-        train, val = self._recent(count)
+        train, val, held = self._recent(count)
         base_sha = self.adapters.state()["base_model_sha256"]
         outcome = personalize(
             build=lambda tensors: self._model(training, tensors, base_sha)[1],
@@ -250,6 +251,7 @@ class DeviceRuntime:
             personal=personal,
             train=train,
             val=val,
+            held=held,
             settings=settings,
             family=family,
             config=self._train_config(self.personal.checkpoint_dir),
@@ -323,7 +325,7 @@ class DeviceRuntime:
             training, derive(started, mine if private else None, settings), self.adapters.state()["base_model_sha256"]
         )
         count = self._pass_samples(current)
-        train, val = self._recent(count)
+        train, val, _ = self._recent(count)
         rows = own_start(model, started, mine, train, settings, family)  # ditto: this user's own names
         result = train_adapter(
             model, train, val, config=self._train_config(self.home / "checkpoints"), family=family,

@@ -53,7 +53,7 @@ class SimulatedStream:
     fixed by ``seed``. ``seek(n)`` resumes after the first ``n`` samples (the store's length after a restart).
 
     With ``wrap`` the shard arrives again and again, as a user keeps writing the same digits: every later pass
-    has the same order (so a sample keeps its place in ``local_split`` when each pass's length is a multiple of
+    has the same order (so a sample keeps its place in ``device_split`` when each pass's length is a multiple of
     ``multiple``; the remainder is left out) and its float fields a little fresh noise (``jitter``)."""
 
     def __init__(
@@ -179,6 +179,21 @@ def local_split(data: dict, *, val_fraction: float = 0.2) -> tuple[dict, dict]:
     val_mask[every - 1 :: every] = True
     index_val, index_train = np.flatnonzero(val_mask), np.flatnonzero(~val_mask)
     return {k: v[index_train] for k, v in data.items()}, {k: v[index_val] for k, v in data.items()}
+
+
+SPLIT_EVERY = 10  # device_split's period: a window or a wrapped stream on a multiple of it keeps every sample's side
+
+
+def device_split(data: dict) -> tuple[dict, dict, dict]:
+    """The device's train, validation and held slices, by place in arrival order (stable as the store grows):
+    the 10th sample of every ten is **held**: no pass trains on it, so the device measures the shared version and
+    its own model there and chooses between them (README.md, "Personalization"); the 5th is validation, held out
+    within a pass (when to stop, whether to undo) and then trained on too (``TrainConfig.refit``); the other
+    eight train."""
+    place = np.arange(len(next(iter(data.values())))) % SPLIT_EVERY
+    val, held = place == SPLIT_EVERY // 2 - 1, place == SPLIT_EVERY - 1
+    train, val, held = ({k: v[np.flatnonzero(mask)] for k, v in data.items()} for mask in (~(val | held), val, held))
+    return train, val, held
 
 
 class ReplayBuffer:

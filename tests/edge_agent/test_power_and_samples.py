@@ -5,7 +5,7 @@ from datetime import datetime, time
 import numpy as np
 
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
-from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, local_split
+from edge_agent.samples import ReplayBuffer, SampleStore, SimulatedStream, device_split, local_split
 
 NIGHT = (time(22, 0), time(6, 0))
 
@@ -96,6 +96,11 @@ def test_sample_store_appends_survives_restart_and_counts_new_samples(tmp_path):
     train, val = local_split(everything, val_fraction=0.2)
     assert len(val["y"]) == 10 and len(train["y"]) == 40
     assert np.array_equal(local_split(restarted.load(0, 25), val_fraction=0.2)[1]["x"], val["x"][:5])  # stable
+
+    train, val, held = device_split(everything)  # the agent's slices: of every ten, the 5th validates, the 10th held
+    assert (len(train["y"]), len(val["y"]), len(held["y"])) == (40, 5, 5)
+    assert np.array_equal(held["x"], everything["x"][9::10]) and np.array_equal(val["x"], everything["x"][4::10])
+    assert np.array_equal(device_split(restarted.load(0, 30))[2]["x"], held["x"][:3])  # stable as the store grows
 
 
 def test_replay_buffer_is_a_persisted_reservoir(tmp_path):
