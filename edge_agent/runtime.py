@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
+from edge_agent.families.common import concat
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.packaging import Outbox
@@ -146,11 +147,12 @@ class DeviceRuntime:
         return get_family(training["family"]), build_model(training, tensors, self.adapters.base_path(base_sha))
 
     def evaluate_versions(self, previous: Path | None, candidate: Path, manifest: dict) -> dict:
-        """Guard metrics for an assignment: the candidate on this device's held slice (``device_split``: no pass
-        trained on it, so the figures do not favour the version the device's own data went into), and the
-        change against the version it replaces (when there is one and it was trained the same way); with a
-        personal model, that model as the candidate would carry it (``personal_accuracy``, ``personal_gain``
-        against ``shared_accuracy``), so rollout guards can hold a version that leaves personal models worse."""
+        """Guard metrics for an assignment: the candidate on this device's validation and held slices (the samples
+        each pass holds out of its own training; ``device_split``), and the change against the version it replaces
+        (when there is one and it was trained the same way); with a personal model, that model as the candidate
+        would carry it against the candidate, on the held slice alone as the device's reports (no pass of either
+        trained on it: ``personal_accuracy``, ``shared_accuracy``, ``personal_gain``), so rollout guards can hold a
+        version that leaves personal models worse."""
         training = manifest.get("training")
         if not training:
             return {}
@@ -162,8 +164,8 @@ class DeviceRuntime:
             return {}
         total = len(self.samples)
         recent = self.samples.load(self._window(total), total)
-        _, _, held = device_split({k: torch.as_tensor(v) for k, v in recent.items()})
-        if not len(next(iter(held.values()))):
+        _, val, held = device_split({k: torch.as_tensor(v) for k, v in recent.items()})
+        if not len(next(iter(val.values()))):
             return {}
         metrics: dict[str, float] = {}
         for label, path in (("", candidate), ("previous_", previous)):
@@ -171,19 +173,20 @@ class DeviceRuntime:
                 continue
             _, model = self._model(training, load_file(str(path)), manifest["base_model_sha256"])
             with torch.no_grad():
-                for name, value in family.evaluate(model.eval(), held).items():
+                for name, value in family.evaluate(model.eval(), concat([val, held])).items():
                     metrics[f"{label}val_{name}"] = round(float(value), 6)
         for name in [k for k in metrics if not k.startswith("previous_")]:
             if f"previous_{name}" in metrics:
                 metrics[f"{name}_change"] = round(metrics[name] - metrics[f"previous_{name}"], 6)
         settings = PersonalSettings.from_training(training)
         mine = self.personal.tensors() if self.personal.state().get("adapter") == manifest.get("adapter") else None
-        if settings.method != "none" and mine is not None and "val_accuracy" in metrics:
-            tensors = derive(load_file(str(candidate)), mine, settings)
-            _, model = self._model(training, tensors, manifest["base_model_sha256"])
-            personal = round(float(family.evaluate(model.eval(), held)["accuracy"]), 6)
-            metrics |= {"shared_accuracy": metrics["val_accuracy"], "personal_accuracy": personal,
-                        "personal_gain": round(personal - metrics["val_accuracy"], 6)}  # fmt: skip
+        if settings.method != "none" and mine is not None and len(next(iter(held.values()))):
+            shared, measured = load_file(str(candidate)), {}
+            for name, tensors in (("shared", shared), ("personal", derive(shared, mine, settings))):
+                _, model = self._model(training, tensors, manifest["base_model_sha256"])
+                measured[name] = round(float(family.evaluate(model.eval(), held)["accuracy"]), 6)
+            metrics |= {"shared_accuracy": measured["shared"], "personal_accuracy": measured["personal"],
+                        "personal_gain": round(measured["personal"] - measured["shared"], 6)}  # fmt: skip
         return metrics
 
     def _pass_samples(self, current: dict) -> int:

@@ -177,7 +177,8 @@ class Hello(_Message):
 
 
 class Personal(_Message):
-    """The device's latest measurement of its own model against the shared version, on its local held-out slice."""
+    """The device's latest measurement of its own model against the shared version, both on local samples that
+    neither was trained on (the bundled agent holds out every 10th sample it collects for this)."""
 
     adapter: AdapterName
     version: Positive = Field(description="the shared version installed and measured")
@@ -185,8 +186,8 @@ class Personal(_Message):
     serving: Literal["personal", "shared"]
     shared_accuracy: Annotated[Number, Field(ge=0, le=1)]
     personal_accuracy: Annotated[Number, Field(ge=0, le=1)]
-    val_samples: Annotated[int, Field(ge=0, le=10**9)]
-    trained_samples: Annotated[int, Field(ge=0, le=10**9)]
+    val_samples: Annotated[int, Field(ge=0, le=10**9, description="how many held-out samples both were measured on")]
+    trained_samples: Annotated[int, Field(ge=0, le=10**9, description="the last personal pass's training slice")]
     updated_at: EpochSeconds = Field(description="when it was measured; at most a day ahead of the server's clock")
 
 

@@ -5,6 +5,7 @@ uploads (its delta stays the change to the shared adapter)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,24 @@ def test_the_device_measures_both_models_on_a_held_slice_that_no_pass_trains_on(
     kept = adapted(pretrained_base, family, tensors=PersonalStore(tmp_path).tensors()).eval()
     assert state["personal_accuracy"] == round(family.evaluate(kept, held)["accuracy"], 6)
     assert state["val_samples"] == runtime.heartbeat()["personal"]["val_samples"] == 20
+
+
+def test_an_installs_guard_metrics_measure_the_personal_model_where_its_reports_do(digits, pretrained_base, tmp_path):
+    """Guard metrics of an install: the version on both held-out slices (validation and held), the device's own
+    model against it on the held slice alone, as its heartbeat reports it."""
+    family, _, _ = digits
+    training = training_manifest(family, METHOD["ditto"])
+    install(tmp_path, pretrained_base, family, version=1, training=training)
+    runtime = device(tmp_path, scenario="feature")
+    assert runtime.train_once()["status"] == "trained"
+    stored = runtime.adapters.state()
+    manifest = {"adapter": "digits-lora", "training": training, "base_model_sha256": stored["base_model_sha256"]}
+    metrics = runtime.evaluate_versions(None, Path(stored["current"]["path"]), manifest)
+    assert metrics["val_samples"] == 40
+    state = PersonalStore(tmp_path).state()
+    assert metrics["shared_accuracy"] == state["shared_accuracy"]
+    assert metrics["personal_accuracy"] == state["personal_accuracy"]
+    assert metrics["personal_gain"] == round(state["personal_accuracy"] - state["shared_accuracy"], 6)
 
 
 def test_private_modules_never_leave_the_device(digits, pretrained_base, tmp_path):
