@@ -4,8 +4,10 @@ simulated devices with the real agent code, whose users differ (their own label 
 Checked through the API the dashboard reads, as the first minutes of a new user went wrong before: every device
 enrolls (none left dead after a failed enrollment) and trains; rounds go on completing after each device has
 seen all of its first data (the samples keep coming); the shared version starts useful (trained at the factory)
-and stays above a stated level; devices report their personal model beside the shared one and most of those
-whose users differ serve their own; the misbehaving device is caught; and the server logs no 5xx at all.
+and stays above a stated level; devices report their personal model beside the shared one (measured on samples
+neither trained on), those whose users differ (the us-wearables cohort: sensor and label names) gain by it, and
+a device that measured its own model worse serves the shared version; the misbehaving device is caught; and the
+server logs no 5xx at all.
 """
 
 from __future__ import annotations
@@ -75,7 +77,17 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
         fleet = summary["fleet"]
         assert fleet["devices"] >= DEVICES - 2, summary
         assert fleet["serving"]["personal"] >= 3, summary  # the sensor and label-name users at least
-        assert fleet["mean_gain_points"] > 5 and fleet["share_not_worse"] >= 0.9, summary
+        assert fleet["mean_gain_points"] > 5, summary
+        # Plain users (eu-phones: their own label mix only) may measure their own model worse on their held
+        # samples, and then serve the shared version; the users who differ gain.
+        differ = next(c for c in summary["cohorts"] if c["cohort"] == "us-wearables")
+        assert differ["mean_gain_points"] > 10 and differ["devices_gaining"] >= differ["devices"] - 1, summary
+        for device in devices:
+            status, reports = api.call("GET", f"/devices/{device['id']}/personalization/")
+            assert status == 200, reports
+            latest = reports["results"][0] if reports["results"] else None
+            if latest and latest["val_samples"] >= 10 and latest["gain_points"] < 0:
+                assert latest["serving"] == "shared", latest
 
         status, rejected = api.call("GET", "/deltas/?state=rejected")
         assert status == 200 and rejected["count"] >= 1  # the misbehaving device is caught
