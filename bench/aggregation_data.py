@@ -19,13 +19,14 @@ import json
 import os
 import re
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CACHE = RESULTS / "aggregation-cache"
-LAYOUT_VERSION = "v1"
+LAYOUT_VERSION = "v2"  # v2: device ids are UUIDs, as the protocol requires (docs/protocol/README.md)
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20}
 
 
@@ -117,7 +118,7 @@ def ensure(size: Size, log=print) -> int:
         signed = sign_delta(
             key,
             data,
-            device_id=f"bench-device-{index}",
+            device_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"bench-device-{index}")),
             adapter="bench-adapter",
             base_version=1,
             num_samples=num_samples(index),
