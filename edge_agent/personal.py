@@ -52,7 +52,7 @@ from torch import nn
 from edge_agent.families.common import LABEL, batched_logits, size
 from edge_agent.identity import atomic_write
 from edge_agent.lora_layers import PREFIX, adapter_parameters, load_adapter_tensors
-from edge_agent.protocol import PERSONALIZATION_METHODS
+from edge_agent.protocol import PERSONALIZATION_DEFAULTS, PERSONALIZATION_METHODS
 from edge_agent.training import TrainConfig, TrainResult, train_adapter
 
 logger = logging.getLogger("edge_agent.personal")
@@ -71,16 +71,18 @@ STATE_FILE = "state.json"
 
 @dataclass(frozen=True)
 class PersonalSettings:
-    """The adapter's ``personalization`` setting as the manifest carries it (absent: ``none``)."""
+    """The adapter's ``personalization`` setting as the manifest carries it (absent: ``none``); a setting the
+    object leaves out takes the server's default (``PERSONALIZATION_DEFAULTS``)."""
 
-    method: str = "none"
-    lam: float = 0.1  # "lambda" in the manifest
-    private_modules: tuple[str, ...] = ("head",)
-    epochs: int = 5
-    lr: float = 0.01
-    margin: float = 0.01
-    min_val_samples: int = 10
-    release_classes: bool = True  # ditto: no pull on the classifier rows the device's labels contradict
+    method: str = "none"  # no personalization object in the manifest: no personal model
+    lam: float = PERSONALIZATION_DEFAULTS["lambda"]  # "lambda" in the manifest
+    private_modules: tuple[str, ...] = tuple(PERSONALIZATION_DEFAULTS["private_modules"])
+    epochs: int = PERSONALIZATION_DEFAULTS["epochs"]
+    lr: float = PERSONALIZATION_DEFAULTS["lr"]
+    margin: float = PERSONALIZATION_DEFAULTS["margin"]
+    min_val_samples: int = PERSONALIZATION_DEFAULTS["min_val_samples"]
+    # ditto: no pull on the classifier rows the device's labels contradict
+    release_classes: bool = PERSONALIZATION_DEFAULTS["release_classes"]
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -102,7 +104,8 @@ class PersonalSettings:
 
     def as_dict(self) -> dict:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return {**values, "lambda": values.pop("lam"), "private_modules": list(self.private_modules)}
+        values["lambda"] = values.pop("lam")
+        return {**values, "private_modules": list(self.private_modules)}
 
 
 def private_keys(keys, modules) -> set[str]:

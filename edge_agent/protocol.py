@@ -27,6 +27,21 @@ PROTOCOL_VERSION = 2
 SUPPORTED_PROTOCOLS = (1, 2)  # what this code can verify; the server may stop accepting 1 (its sunset setting)
 # How a device personalizes (the manifest's signed ``personalization.method``; a heartbeat's ``personal.method``).
 PERSONALIZATION_METHODS = ("none", "finetune", "ditto", "private_modules")
+# The manifest's ``personalization`` object with every setting at its default: what the server signs for an adapter
+# that sets none (``training.registry.personalization_settings``) and what the agent assumes for a setting a
+# manifest leaves out (``edge_agent.personal.PersonalSettings``; a manifest without the object means "none").
+PERSONALIZATION_DEFAULTS: dict[str, Any] = {
+    "method": "ditto",
+    "lambda": 1.0,  # ditto's proximal weight (bench/README.md, "personalization.py": chosen on a tuning seed)
+    "private_modules": ["head"],  # the modules that stay on the device under "private_modules"
+    "epochs": 20,  # the personal pass (a quarter of it where ditto released rows: edge_agent/personal.py)
+    "lr": 0.01,
+    "margin": 0.01,  # accuracy the personal model must gain over the shared one before the device serves it
+    "min_val_samples": 10,  # held-out local samples needed before the device judges between them
+    # ditto: the classifier rows of the classes the device's own labels rename are its own, free of the pull and
+    # never uploaded (bench/README.md, "personalization.py")
+    "release_classes": True,
+}
 AGENT_WS_PATH = "/ws/agent/"
 
 # Limits the server enforces; the agent keeps to them.

@@ -26,6 +26,7 @@ from edge_agent.personal import (
     private_keys,
     proximal_penalty,
 )
+from edge_agent.protocol import PERSONALIZATION_DEFAULTS
 from edge_agent.samples import device_split
 from edge_agent.training import TrainConfig
 from tests.edge_agent.personal_support import device, install, training_manifest
@@ -148,6 +149,15 @@ def test_unknown_methods_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="lambda"):
         PersonalSettings.from_training({"personalization": {"method": "ditto", "lambda": float("nan")}})
     assert PersonalSettings.from_training({}).method == "none"
+
+
+def test_a_setting_the_manifest_leaves_out_takes_the_servers_default():
+    partial = PersonalSettings.from_training({"personalization": {"method": "ditto", "epochs": 3}})
+    expected = {**PERSONALIZATION_DEFAULTS, "method": "ditto", "epochs": 3}
+    assert partial.as_dict() == expected
+    assert PersonalSettings.from_training({"personalization": PERSONALIZATION_DEFAULTS}) == PersonalSettings(
+        method=PERSONALIZATION_DEFAULTS["method"]
+    )
 
 
 class _Fixed(torch.nn.Module):

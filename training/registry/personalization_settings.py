@@ -3,8 +3,9 @@
 Each device keeps a model of its own, trained on its own data and never uploaded; the setting says how it
 is made, and is signed into every manifest (``training.rollouts.manifests.training_config``) so a device trains only
 what the server signed. ``Adapter.personalization`` holds only what an operator set; everything reads it
-through ``personalization_settings`` so the defaults live here and nowhere else (README, "Adapters and
-rollouts"; docs/protocol/README.md, "Assignments").
+through ``personalization_settings``, with the defaults of ``edge_agent.protocol.PERSONALIZATION_DEFAULTS`` (the one
+place they live, which the agent reads too: README, "Adapters and rollouts"; docs/protocol/README.md,
+"Assignments").
 
 Methods: ``none`` (the device serves the shared version), ``finetune`` (a copy of the shared version fine-tuned
 locally), ``ditto`` (a personal model kept near the shared one by a proximal term of weight ``lambda``, lifted from
@@ -20,20 +21,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from edge_agent.protocol import PERSONALIZATION_METHODS
+from edge_agent.protocol import PERSONALIZATION_DEFAULTS, PERSONALIZATION_METHODS
 
-PERSONALIZATION_DEFAULTS: dict[str, Any] = {
-    "method": "ditto",
-    "lambda": 1.0,  # ditto's proximal weight (bench/README.md, "personalization.py": chosen on a tuning seed)
-    "private_modules": ["head"],  # the modules that stay on the device under "private_modules"
-    "epochs": 20,  # the personal pass (a quarter of it where ditto released rows: edge_agent/personal.py)
-    "lr": 0.01,
-    "margin": 0.01,  # accuracy the personal model must gain over the shared one before the device serves it
-    "min_val_samples": 10,  # held-out local samples needed before the device judges between them
-    # ditto: the classifier rows of the classes the device's own labels rename are its own, free of the pull and
-    # never uploaded (bench/README.md, "personalization.py")
-    "release_classes": True,
-}
 METHODS = PERSONALIZATION_METHODS
 MAX_PRIVATE_MODULES = 64
 
