@@ -168,12 +168,13 @@ class DeviceRuntime:
         if not len(next(iter(val.values()))):
             return {}
         metrics: dict[str, float] = {}
+        guard = concat([val, held])
         for label, path in (("", candidate), ("previous_", previous)):
             if path is None or not Path(path).exists():
                 continue
             _, model = self._model(training, load_file(str(path)), manifest["base_model_sha256"])
             with torch.no_grad():
-                for name, value in family.evaluate(model.eval(), concat([val, held])).items():
+                for name, value in family.evaluate(model.eval(), guard).items():
                     metrics[f"{label}val_{name}"] = round(float(value), 6)
         for name in [k for k in metrics if not k.startswith("previous_")]:
             if f"previous_{name}" in metrics:
