@@ -109,7 +109,8 @@ def federated(split: Split, row: str = "ditto") -> dict:
     version with the device's own private modules, or, under ditto with ``release_classes``, its own classifier
     rows of the classes its labels contradict, none of which it uploads a change of), the server's FedAvg makes
     the next version, and each device runs its personal pass. Returns ``{"shared", "personal": [per device],
-    "served": [per device], "reported": [(personal, shared) per device]}``."""
+    "served": [per device], "reported": [(personal, shared) per device], "released": [per device: rows released
+    in the last round]}``."""
     key = ("product-federated", row)
     if key in split.cache:
         return split.cache[key]
@@ -121,12 +122,14 @@ def federated(split: Split, row: str = "ditto") -> dict:
     personal: list[dict | None] = [None] * config.devices
     served = ["shared"] * config.devices
     reported = [(np.nan, np.nan)] * config.devices
+    released = [False] * config.devices  # in the last round: rows of classes its labels rename trained free
     discarded = 0
     for round_index in range(config.rounds):
         deltas, weights, personal_next = [], [], []
         for d, (train, val, held) in enumerate(fleet.local):
             model = fleet.build(derive(shared, personal[d], personal_settings) if private else shared)
             rows = device_pass.own_start(model, shared, personal[d], train, personal_settings, FAMILY)
+            released[d] = bool(rows)
             run = _train_config(split, round_index * 1000 + d, config.local_epochs)
             result = train_adapter(model, train, val, config=run, family=FAMILY)
             trained = adapter_tensors(model)
@@ -153,7 +156,8 @@ def federated(split: Split, row: str = "ditto") -> dict:
         if (round_index + 1) % 10 == 0:
             print(f"  [{split.scenario} seed {split.seed}] product {row} round {round_index + 1}/{config.rounds} "
                   f"({discarded} updates discarded so far)", file=sys.stderr, flush=True)  # fmt: skip
-    split.cache[key] = {"shared": shared, "personal": personal, "served": served, "reported": reported}
+    split.cache[key] = {"shared": shared, "personal": personal, "served": served, "reported": reported,
+                        "released": released}  # fmt: skip
     return split.cache[key]
 
 
@@ -192,7 +196,8 @@ def _row(method: str):
             {"personal": fleet.accuracy(personal), "shared": fleet.accuracy([shared] * len(personal)),
              "serving_personal": np.asarray([s == "personal" for s in outcome["served"]], dtype=float),
              "reported_personal": np.asarray([p for p, _ in outcome["reported"]], dtype=float),
-             "reported_shared": np.asarray([s for _, s in outcome["reported"]], dtype=float)},
+             "reported_shared": np.asarray([s for _, s in outcome["reported"]], dtype=float),
+             "released": np.asarray(outcome.get("released", [False] * len(personal)), dtype=float)},
         )  # fmt: skip
 
     return run
