@@ -286,17 +286,19 @@ class DeviceRuntime:
         )  # fmt: skip
         return state
 
-    def _measure_new_version(self, current: dict) -> dict:
-        """A shared version installed since the personal model was last measured, and no pass due: measure both
-        on local validation (no training) and choose again, so the device does not serve a pairing it never
-        judged (``private_modules``: its own modules were fitted to the previous version's body)."""
+    def _follow_new_version(self, current: dict, *, train: bool) -> dict:
+        """A shared version installed since the personal pass, and no shared pass due (too few new samples):
+        where the power rules allow (``train``), the personal pass again on the samples the device holds, so its
+        own model follows what the fleet learned (ditto pulled toward the new version, finetune redone from it,
+        private modules refitted to its body) even when its user hands it no more samples; otherwise both
+        measured on the held slice and chosen again, so the device does not serve a pairing it never judged."""
         state = self.personal.state()
         method = PersonalSettings.from_training(current["training"]).method
         if method == "none" or not state.get("file") or state.get("pending") or not len(self.samples):
             return {}
         if state.get("shared_sha256") == current["sha256"]:
             return {}
-        return {"personal": self.personal_pass(current, count=len(self.samples), train_personal=False)}
+        return {"personal": self.personal_pass(current, count=len(self.samples), train_personal=train)}
 
     def train_once(self, *, force: bool = False) -> dict:
         """One pass of the loop; returns (and records) what it decided and why."""
@@ -313,9 +315,12 @@ class DeviceRuntime:
             new_samples = self.samples.new_count()
             if pending.get("sha256") == current.get("sha256"):
                 new_samples = max(new_samples, self.policy.min_new_samples)  # only the power rules decide
-            go, reason = self.policy.decide(new_samples=new_samples, power=self.power_state())
+            power = self.power_state()
+            go, reason = self.policy.decide(new_samples=new_samples, power=power)
             if not go:
-                return self._note(status="skipped", reason=reason, **self._measure_new_version(current))
+                # the power rules alone (as if enough samples were new): may the personal pass train?
+                allowed, _ = self.policy.decide(new_samples=self.policy.min_new_samples, power=power)
+                return self._note(status="skipped", reason=reason, **self._follow_new_version(current, train=allowed))
         if pending.get("sha256") == current.get("sha256") and int(pending.get("count", 0)) <= len(self.samples):
             personal = self.personal_pass(current, count=int(pending["count"]))
             return self._note(status="personalized", reason="finished a personal pass that was cut short",

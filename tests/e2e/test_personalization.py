@@ -209,7 +209,8 @@ def test_an_inbox_fed_device_personalizes_reports_survives_a_kill_mid_pass_and_k
         assert [(c["cohort"], c["devices"]) for c in summary["cohorts"]] == [(COHORT, 1)], summary
 
         # 3. The device's delta makes version 2 (K = 1), released and rolled out; the running agent installs it and,
-        # with no pass due, judges its own head on the new body against version 2 before serving it.
+        # with no shared pass due, refits its own head to the new body (the personal pass alone) and judges it against
+        # version 2 before serving it.
         installed, waited = wait_for(lambda: _current(home).get("version") == 2, timeout=90, interval=0.5)
         assert installed, "version 2 never installed:\n" + agent_output.tail() + "\n" + output.tail(30)
         v2 = _current(home)
@@ -237,9 +238,10 @@ def test_an_inbox_fed_device_personalizes_reports_survives_a_kill_mid_pass_and_k
         # The head never left the device: the delta carried no change of it, so version 2's is version 1's.
         assert all(torch.equal(v1_tensors[k], v2_tensors[k]) for k in head)
         assert any(not torch.equal(v1_tensors[k], v2_tensors[k]) for k in set(v2_tensors) - head)
-        kept = personal.tensors()  # version 2's body with the device's head in place, as it was on version 1
-        assert all(torch.equal(kept[k], first_tensors[k]) for k in head)
+        kept = personal.tensors()  # version 2's body with the device's own head, refitted to it
         assert all(torch.equal(kept[k], v2_tensors[k]) for k in set(kept) - head)
+        assert any(not torch.equal(kept[k], first_tensors[k]) for k in head)
+        assert all(not torch.equal(kept[k], v2_tensors[k]) for k in head)  # still the device's own
 
         # 5. A malformed file handed to add-samples is refused with its reason; nothing is stored.
         refused = _agent(home, "add-samples", str(inbox / "rejected" / "bad-labels.npz"))

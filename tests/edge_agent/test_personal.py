@@ -135,6 +135,29 @@ def test_a_new_shared_version_re_derives_the_personal_model_and_keeps_its_privat
     assert set(before) == set(after)
 
 
+def test_a_new_shared_version_without_new_samples_redoes_the_personal_model_where_power_allows(
+    digits, pretrained_base, tmp_path
+):
+    """A user who handed the device its samples once still gets what the fleet learns later: a new shared version
+    runs the personal pass again on the samples the device holds (finetune: redone from the new version), though
+    no shared pass is due."""
+    family, _, _ = digits
+    training = training_manifest(family, METHOD["finetune"])
+    install(tmp_path, pretrained_base, family, version=1, training=training)
+    runtime = device(tmp_path, scenario="concept", per_poll=100)
+    assert runtime.train_once()["status"] == "trained"
+    runtime.policy.min_new_samples = 10_000  # no shared pass due from here on
+    new_shared = {k: v + 0.01 for k, v in load_file(str(tmp_path / "adapters" / "v1.safetensors")).items()}
+    install(tmp_path, pretrained_base, family, version=2, training=training, tensors=new_shared)
+    outcome = runtime.train_once()
+    assert outcome["status"] == "skipped" and "too few new samples" in outcome["reason"]
+    assert outcome["personal"]["version"] == 2 and outcome["personal"]["trained_samples"] > 0
+    after = PersonalStore(tmp_path).tensors()
+    assert any(not torch.equal(after[k], new_shared[k]) for k in after)  # fine-tuned from v2, not a copy of it
+    assert runtime.train_once()["status"] == "skipped"  # once per version: nothing new, nothing redone
+    assert PersonalStore(tmp_path).state()["updated_at"] == outcome["personal"]["updated_at"]
+
+
 def test_the_device_serves_the_shared_version_where_enough_validation_says_personal_does_not_help():
     settings = PersonalSettings(method="ditto", margin=0.02, min_val_samples=10)
     assert choose({"accuracy": 0.90, "samples": 40}, {"accuracy": 0.91, "samples": 40}, settings) == "shared"
