@@ -34,7 +34,8 @@ from edge_agent.families.common import pretrain
 from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.rest import DeviceSession
-from edge_agent.runtime import AgentConfig, DeviceRuntime, OutboxUploads
+from edge_agent.runtime import AgentConfig, DeviceRuntime
+from edge_agent.uploads import OutboxUploads
 from training.models import Adapter, BaseModel, Rollout
 from training.registry.services import adapter_create, base_model_create, version_create_seeded, version_transition
 from training.rollouts.lifecycle import rollout_create, rollout_start

@@ -18,7 +18,8 @@ from django.db import transaction
 
 from core.live import LiveEvent, publish
 from devices.models import Device, PersonalizationReport
-from edge_agent.wire import EARLIEST_TIME, Personal, validated
+from edge_agent.wire import Personal, validated
+from edge_agent.wire_types import EARLIEST_TIME
 
 SERVING = ("personal", "shared")
 MAX_SAMPLES = 10**9

@@ -70,7 +70,8 @@ def _load(args):
 
 def cmd_run(args) -> int:
     from edge_agent.connection import AgentConnection, Backoff, Retired
-    from edge_agent.runtime import DeviceRuntime, OutboxUploads
+    from edge_agent.runtime import DeviceRuntime
+    from edge_agent.uploads import OutboxUploads
 
     try:
         state, key = _load(args)

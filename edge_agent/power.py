@@ -131,29 +131,37 @@ class TrainingPolicy:
             return start <= moment < end
         return moment >= start or moment < end
 
+    def waiting_for(self, *, power: PowerState | None, now: datetime | None = None, idle: bool | None = None) -> str:
+        """What the device waits for before it may train, whatever its samples (power, use, the window): a
+        sentence, or "" when nothing holds it back."""
+        if power is not None and not power.charging:
+            if power.battery_percent is None:
+                return "on battery at an unknown level: waiting for a charger"
+            if power.battery_percent < self.min_battery_percent:
+                return (
+                    f"on battery at {power.battery_percent:.0f}%, below the {self.min_battery_percent:.0f}% "
+                    "threshold: waiting for a charger"
+                )
+        if self.require_idle and idle is False:
+            return "the device is in use: waiting until it is idle"
+        if self.window is not None:
+            now = now or datetime.now()
+            if not self._in_window(now):
+                start, end = self.window
+                return (
+                    f"outside the training window {start.strftime('%H:%M')}-{end.strftime('%H:%M')} "
+                    f"(now {now.strftime('%H:%M')})"
+                )
+        return ""
+
     def decide(
         self, *, new_samples: int, power: PowerState | None, now: datetime | None = None, idle: bool | None = None
     ) -> tuple[bool, str]:
         """``(train?, reason)``, the reason a sentence for logs and the dashboard (``idle`` None: unknown)."""
         if new_samples < self.min_new_samples:
             return False, f"too few new samples: {new_samples} of the {self.min_new_samples} needed"
-        if power is not None and not power.charging:
-            if power.battery_percent is None:
-                return False, "on battery at an unknown level: waiting for a charger"
-            if power.battery_percent < self.min_battery_percent:
-                return False, (
-                    f"on battery at {power.battery_percent:.0f}%, below the {self.min_battery_percent:.0f}% "
-                    "threshold: waiting for a charger"
-                )
-        if self.require_idle and idle is False:
-            return False, "the device is in use: waiting until it is idle"
-        if self.window is not None:
-            now = now or datetime.now()
-            if not self._in_window(now):
-                start, end = self.window
-                return False, (
-                    f"outside the training window {start.strftime('%H:%M')}-{end.strftime('%H:%M')} "
-                    f"(now {now.strftime('%H:%M')})"
-                )
+        waiting = self.waiting_for(power=power, now=now, idle=idle)
+        if waiting:
+            return False, waiting
         power_text = "no battery (mains power)" if power is None else power.describe()
         return True, f"{new_samples} new samples, {power_text}"

@@ -8,6 +8,7 @@ the documents are generated from, and its errors name the field's path, which th
 client that got a message wrong. Strict mode throughout: ``true`` is not a number, ``1.0`` is not a whole
 number and ``"1"`` is neither, as a client in any language would expect of a contract.
 
+The value types (hashes, keys, ids, times, metrics) and the models' bases are in ``edge_agent.wire_types``.
 Transport messages ignore fields they do not define (a newer peer may add some); the signed objects a device
 makes (the hello, the token request, the delta envelope) refuse any field they do not define, since every byte of
 them is signed.
@@ -28,96 +29,27 @@ from pydantic import (
 
 from edge_agent.protocol import (
     DELTA_CHUNK_BYTES,
-    MAX_DELTA_METRICS,
-    METRIC_NAME_PATTERN,
     PERSONALIZATION_METHODS,
     PROTOCOL_VERSION,
     SUPPORTED_PROTOCOLS,
     MessageType,
-    encode,
 )
-
-# JSON numbers every language reads exactly: whole numbers within IEEE-754 doubles' exact range (RFC 8785).
-MAX_SAFE_INTEGER = 2**53 - 1
-EARLIEST_TIME = 946684800.0  # 2000-01-01T00:00:00Z: an epoch-seconds time before it is a broken clock
-
-
-Sha256Hex = Annotated[
-    str, StringConstraints(pattern=r"^[0-9a-f]{64}$"), Field(description="sha256, 64 lowercase hex digits")
-]
-Base64Url = Annotated[
-    str,
-    StringConstraints(pattern=r"^[A-Za-z0-9_-]*$", max_length=4096),
-    Field(description="bytes as base64url without padding (RFC 4648 section 5)"),
-]
-Signature = Annotated[
-    str,
-    StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$"),
-    Field(description="Ed25519 signature (64 bytes) as base64url without padding: 86 characters"),
-]
-PublicKey = Annotated[
-    str,
-    StringConstraints(pattern=r"^[A-Za-z0-9_-]{43}$"),
-    Field(description="Ed25519 public key (32 bytes) as base64url without padding: 43 characters"),
-]
-Nonce = Annotated[
-    str,
-    StringConstraints(pattern=r"^[A-Za-z0-9_-]{43}$"),
-    Field(description="32 random bytes as base64url without padding: 43 characters"),
-]
-DeviceId = Annotated[
-    str,
-    StringConstraints(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"),
-    Field(description="the device's id: a UUID in lowercase hex with hyphens"),
-]
-AdapterName = Annotated[
-    str,
-    StringConstraints(pattern=r"^[-a-zA-Z0-9_]{1,64}$"),
-    Field(description="an adapter's name (not its id): letters, digits, - and _, 1 to 64 characters"),
-]
-Whole = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
-Positive = Annotated[int, Field(ge=1, le=2**31 - 1)]
-Number = Annotated[float, Field(allow_inf_nan=False, description="a finite JSON number")]
-EpochSeconds = Annotated[
-    float,
-    Field(
-        ge=EARLIEST_TIME,
-        le=32503680000.0,
-        allow_inf_nan=False,
-        description="a time in seconds since 1970-01-01T00:00:00Z (UTC)",
-    ),
-]
-MetricName = Annotated[str, StringConstraints(pattern=f"^{METRIC_NAME_PATTERN}$")]
-Metrics = Annotated[
-    dict[MetricName, Number],
-    Field(
-        max_length=MAX_DELTA_METRICS,
-        description="at most 32 named finite numbers (a name: a letter or _, then up to 63 of A-Z a-z 0-9 _ . : -)",
-    ),
-]
-
-
-class _Model(BaseModel):
-    def to_dict(self) -> dict[str, Any]:
-        """The object as JSON-ready data, field names as they travel."""
-        return self.model_dump(mode="json", by_alias=True)
-
-
-class _Message(_Model):
-    """A transport message: fields it does not define are ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    def to_json(self) -> str:
-        """The message as one text frame."""
-        return encode(self.type, **self.model_dump(mode="json", by_alias=True, exclude={"type"}))
-
-
-class _Signed(_Model):
-    """An object a device signs: every field it has is signed, so one it does not define is refused."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
+from edge_agent.wire_types import (
+    MAX_SAFE_INTEGER,
+    AdapterName,
+    DeviceId,
+    EpochSeconds,
+    Metrics,
+    Nonce,
+    Number,
+    Positive,
+    PublicKey,
+    Sha256Hex,
+    Signature,
+    Whole,
+    _Message,
+    _Signed,
+)
 
 # --- signed objects -------------------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from websockets.sync.client import connect
 from devices.models import Device
 from edge_agent.delta import encode_delta, envelope_payload, sign_delta
 from edge_agent.protocol import PROTOCOL_VERSION, b64encode, encode, encode_chunk_frame, hello_payload, sign
-from edge_agent.runtime import upload_metrics
+from edge_agent.uploads import upload_metrics
 from tests.asgi_server import asgi_server
 from tests.training.test_rounds import make_delta_tensors
 from training.federation.verification import delta_verify
