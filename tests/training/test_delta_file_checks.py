@@ -90,6 +90,16 @@ def test_stored_bytes_that_are_not_the_signed_ones_are_found_while_reading_and_c
     stored.write_bytes(data)  # the blob is shared by content: put it back for any later upload of these bytes
 
 
+def test_stored_bytes_that_are_gone_are_a_hash_mismatch_not_a_crash(setup):
+    """A run that loaded the delta while another rejected it and deleted its bytes (or bytes lost from storage)
+    finds nothing to read: a verdict, claiming no counter, not a FileNotFoundError on every try."""
+    adapter, _, _, _ = setup
+    delta = send(setup, encode_delta(small_delta(adapter, seed=23)), counter=4, verify=False)
+    Path(blob_path(delta.blob_sha256)).unlink()
+    gone = rejected(delta_verify(delta_id=delta.pk), "hash_mismatch")
+    assert not gone.counter_claimed and "gone" in gone.rejection_detail
+
+
 def test_every_header_reader_of_the_server_refuses_a_tensor_named_twice():
     """Imported adapter versions and base weights go through ``read_header`` too."""
     data = save_safetensors({"a": torch.zeros(2), "b": torch.ones(3)})

@@ -21,7 +21,7 @@ from tests.training.strategy_support import (
     weighted_reference,
     write,
 )
-from training.federation.strategies import DeltaInput
+from training.federation.strategies import DeltaInput, get_strategy
 from training.federation.strategies.flat import CoordinateOrder, FlatDelta
 
 
@@ -277,3 +277,15 @@ def test_clipping_scales_each_delta_before_averaging(tmp_path):
     assert_same(run("fedavg", inputs, {"clip_norm": clip}), want)  # norms computed lazily
     given = [DeltaInput(inp.path, inp.num_samples, norm=n) for inp, n in zip(inputs, norms, strict=True)]
     assert_same(run("fedavg", given, {"clip_norm": clip, "shard_size": 1}), want)
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean"])
+@pytest.mark.parametrize(("n", "total"), [(100, 1 << 20), (1000, 1 << 20), (100, 10 << 20)])
+def test_blocks_leave_room_in_the_memory_budget_for_the_result(name, n, total):
+    strategy = get_strategy(name)
+    params = strategy.check_params({"chunk_elements": 1 << 30})
+    budget = params["memory_budget"]
+    for per_value in (strategy.BLOCK_BYTES, strategy.MIXING_BLOCK_BYTES):
+        columns = strategy.columns(n, params, per_value, total)
+        used = columns * n * per_value + strategy.RESULT_BYTES * total + strategy.RESERVE_BYTES
+        assert budget - n * per_value < used <= budget  # as large as fits, and no larger

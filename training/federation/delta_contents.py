@@ -6,6 +6,7 @@ verification (``training.federation.verification``) after the checks on the devi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import tempfile
@@ -90,7 +91,13 @@ class _Values:
     """The data section's values as its bytes stream past (tensors in the order they lie, ``layout``): each
     decoded to float32 as ``edge_agent.delta.decode_tensor`` does (int8 times its tensor's scale, in float32),
     checked finite, and its square summed in float64. Holds a few bytes of a value split between two reads and
-    at most DECODE_SLICE values decoded at a time."""
+    at most DECODE_SLICE values decoded at a time.
+
+    Float encodings (f32, f16) have no per-tensor scale, so their values are taken a read at a time, across
+    tensor boundaries: a few numpy calls per MiB rather than per tensor, which for a LoRA delta of many small
+    tensors was most of the decoding's time (bench/README.md, "aggregation.py"). The tensor a bad value lies
+    in is found from its position only when there is one. int8 values are taken a tensor at a time, each with
+    its own scale."""
 
     def __init__(self, layout: list[tuple[str, int, int]], encoding: str, scales: dict[str, float]):
         self.layout = layout
@@ -98,22 +105,33 @@ class _Values:
         self.width = self.stored.itemsize
         with np.errstate(over="ignore"):  # a scale past float32's range is inf, as in torch: not finite
             self.scales = {name: np.float32(scale) for name, scale in scales.items()} if encoding == "int8" else {}
-        self.index = 0  # the tensor the next byte belongs to
-        self.done = 0  # its bytes seen so far
+        self.by_read = encoding != "int8"
+        self.starts = [start for _, start, _ in layout]
+        self.end = layout[-1][2] if layout else 0  # the data section's length
+        self.seen = 0  # its bytes seen so far
+        self.index = 0  # int8: the tensor the next byte belongs to
+        self.done = 0  # int8: its bytes seen so far
         self.carry = b""  # the start of a value split between two reads
         self.squares = 0.0
 
     def feed(self, view: memoryview) -> None:
+        if self.by_read:
+            view = view[: self.end - self.seen]
+            self._bytes(None, view)
+            self.seen += len(view)
+            return
         while len(view) and self.index < len(self.layout):
             name, start, end = self.layout[self.index]
             part = view[: end - start - self.done]
             view = view[len(part) :]
             self._bytes(name, part)
+            self.seen += len(part)
             self.done += len(part)
             if self.done == end - start:
                 self.index, self.done = self.index + 1, 0
 
-    def _bytes(self, name: str, part: memoryview) -> None:
+    def _bytes(self, name: str | None, part: memoryview) -> None:
+        at = self.seen - len(self.carry)  # where in the data section the next value starts
         if self.carry:
             head = self.carry + bytes(part[: self.width - len(self.carry)])
             part = part[self.width - len(self.carry) :]
@@ -121,18 +139,21 @@ class _Values:
                 self.carry = head
                 return
             self.carry = b""
-            self._sum(name, head)
+            self._sum(name, head, at)
+            at += self.width
         whole = len(part) - len(part) % self.width
         if whole:
-            self._sum(name, part[:whole])
+            self._sum(name, part[:whole], at)
         if whole < len(part):
             self.carry = bytes(part[whole:])
 
-    def _sum(self, name: str, data) -> None:
+    def _sum(self, name: str | None, data, at: int) -> None:
+        """Add the squares of ``data``'s values (of tensor ``name``, or of whichever tensors they belong to when
+        None; the first starts ``at`` bytes into the data section)."""
         values = np.frombuffer(data, dtype=self.stored)
         scale = self.scales.get(name)
-        for at in range(0, len(values), DECODE_SLICE):
-            part = values[at : at + DECODE_SLICE]
+        for first in range(0, len(values), DECODE_SLICE):
+            part = values[first : first + DECODE_SLICE]
             with np.errstate(all="ignore"):  # NaN and overflow are found below, not warned about
                 if scale is not None:
                     part = part.astype(np.float32) * scale
@@ -141,8 +162,12 @@ class _Values:
                 # one thread (np.dot hands a slice this size to BLAS threads, which contend with other workers).
                 squares = float(np.einsum("i,i->", wide, wide))
             if not math.isfinite(squares):
-                raise Rejection("not_finite", f"tensor {name!r} holds NaN or infinite values")
+                bad = name or self._tensor_at(at + (first + int(np.flatnonzero(~np.isfinite(wide))[0])) * self.width)
+                raise Rejection("not_finite", f"tensor {bad!r} holds NaN or infinite values")
             self.squares += squares
+
+    def _tensor_at(self, offset: int) -> str:
+        return self.layout[bisect.bisect_right(self.starts, offset) - 1][0]
 
 
 def _library_message(exc: Exception) -> str:
@@ -173,40 +198,85 @@ def _library_check(path: str | None, head: bytes, size: int) -> None:
         raise Rejection("malformed", f"safetensors could not read the file: {_library_message(exc)}") from None
 
 
-def _read_contents(stream: _Stream, size: int, adapter: Adapter, path: str | None) -> tuple[str, float]:
-    """The checks on the file's bytes, in the documented order, as the stream passes: the framing and the
-    header (limits, JSON, no key twice, entries, offsets), the encoding, the adapter's spec, the int8 scales,
-    the library's own header check, then the data: finite values and the norm bound."""
-    prefix = stream.take(min(size, 8))
-    try:
-        header_size = header_length(prefix, size)
-        head = prefix + stream.take(header_size)
-        header, metadata = parse_header(head[8:], size - 8 - header_size)
-        encoding, scales = read_encoding(metadata if metadata and isinstance(metadata, dict) else {})
-    except ArtifactRejected as exc:
-        code = exc.code if exc.code in ("header_too_large", "duplicate_tensor") else "malformed"
-        raise Rejection(code, str(exc)) from None
-    except ValueError as exc:
-        raise Rejection("malformed", str(exc)) from None
+@dataclass(frozen=True)
+class _Header:
+    """What a header that passed every check independent of the adapter says: its tensors, encoding, int8
+    scales and where each tensor's bytes lie."""
+
+    header: dict[str, dict]
+    encoding: str
+    scales: dict[str, float]
+    layout: list[tuple[str, int, int]]
+
+
+# Headers seen to pass, by their bytes and the file's size: the deltas of one adapter in one float encoding
+# share theirs byte for byte, so the JSON parse, the entries' checks and the library's check (most of the
+# time a LoRA delta of many small tensors spends outside hashing its values) run once per process, not once
+# per delta. Bounded: small float headers only, and few of them.
+_PASSED: dict[tuple[bytes, int], _Header] = {}
+_PASSED_MAX = 32
+_PASSED_MAX_BYTES = 64 << 10
+
+
+def _remember(key: tuple[bytes, int], facts: _Header) -> None:
+    if len(key[0]) > _PASSED_MAX_BYTES or facts.scales:  # an int8 header holds its delta's own scales
+        return
+    if len(_PASSED) >= _PASSED_MAX:
+        _PASSED.pop(next(iter(_PASSED)), None)  # the oldest
+    _PASSED[key] = facts
+
+
+def _check_header(head: bytes, header_size: int, size: int, adapter: Adapter, path: str | None) -> _Header:
+    """The header's checks in the documented order: the header itself (limits, JSON, no key twice, entries,
+    offsets), the encoding, the adapter's spec, the int8 scales, the library's own header check, the layout.
+    A header seen to pass before (``_PASSED``) runs only the checks that depend on the adapter."""
+    facts = _PASSED.get((head, size))
+    if facts is None:
+        try:
+            header, metadata = parse_header(head[8:], size - 8 - header_size)
+            encoding, scales = read_encoding(metadata if metadata and isinstance(metadata, dict) else {})
+        except ArtifactRejected as exc:
+            code = exc.code if exc.code in ("header_too_large", "duplicate_tensor") else "malformed"
+            raise Rejection(code, str(exc)) from None
+        except ValueError as exc:
+            raise Rejection("malformed", str(exc)) from None
+    else:
+        header, encoding, scales = facts.header, facts.encoding, facts.scales
     try:
         check_spec(header, delta_spec(adapter, encoding))
     except ArtifactRejected as exc:
         raise Rejection("spec_mismatch", str(exc)) from None
     if encoding == "int8" and set(scales) != set(header):
         raise Rejection("malformed", "an int8 delta needs one scale per tensor")
-    _library_check(path, head, size)
+    if facts is None:
+        _library_check(path, head, size)
+        try:
+            layout = data_layout(header, size - 8 - header_size)
+        except ArtifactRejected as exc:
+            raise Rejection("malformed", str(exc)) from None
+        facts = _Header(header, encoding, scales, layout)
+        _remember((head, size), facts)
+    return facts
+
+
+def _read_contents(stream: _Stream, size: int, adapter: Adapter, path: str | None) -> tuple[str, float]:
+    """The checks on the file's bytes, in the documented order, as the stream passes: the framing, the header
+    (``_check_header``), then the data: finite values and the norm bound."""
+    prefix = stream.take(min(size, 8))
     try:
-        layout = data_layout(header, size - 8 - header_size)
+        header_size = header_length(prefix, size)
     except ArtifactRejected as exc:
-        raise Rejection("malformed", str(exc)) from None
-    values = _Values(layout, encoding, scales)
+        raise Rejection(exc.code if exc.code == "header_too_large" else "malformed", str(exc)) from None
+    head = prefix + stream.take(header_size)
+    facts = _check_header(head, header_size, size, adapter, path)
+    values = _Values(facts.layout, facts.encoding, facts.scales)
     for chunk in stream.rest():
         values.feed(chunk)
     norm = math.sqrt(values.squares)
     bound = aggregation_settings(adapter)["max_norm"]
     if bound is not None and norm > bound:
         raise Rejection("norm_too_large", f"the update's L2 norm is {norm:.4g}; the adapter's bound is {bound:.4g}")
-    return encoding, norm
+    return facts.encoding, norm
 
 
 def contents_check(

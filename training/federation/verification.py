@@ -111,7 +111,14 @@ def _check_base(delta: Delta, adapter: Adapter, memo: dict | None = None) -> Ada
 
 
 def _check_contents(delta: Delta, adapter: Adapter) -> tuple[str, float]:
-    with blob_open(delta.blob_sha256) as handle:
+    """The contents check on the stored bytes. Bytes that are gone are not the signed ones either: deleted by a
+    run that rejected this delta meanwhile (whose verdict stands: only a ``received`` delta is written), or lost
+    from storage (rejected, claiming no counter, rather than failing every try)."""
+    try:
+        handle = blob_open(delta.blob_sha256)
+    except FileNotFoundError:
+        raise Rejection("hash_mismatch", "the stored bytes are gone: nothing to verify") from None
+    with handle:
         return contents_check(
             handle, size=delta.size, sha256=delta.sha256, adapter=adapter, path=blob_path(delta.blob_sha256)
         )

@@ -107,30 +107,81 @@ class Piece:
     scale: float | None  # int8: value = stored x scale
 
 
+@dataclass(frozen=True)
+class _FileFacts:
+    """What a delta file's header says, once the safetensors library and ``read_header`` have read it."""
+
+    encoding: str
+    scales: dict
+    header: dict
+    data_start: int
+    present: list[str]
+
+
+# Headers read before, by their bytes and the file's size: one adapter's deltas in a float encoding share
+# theirs byte for byte, so the library's read and the JSON parse run once per process rather than once per
+# delta (the rest of a LoRA delta's setup, many small tensors, is per key). Small float headers only, and few.
+_SEEN: dict[tuple[bytes, int], _FileFacts] = {}
+_SEEN_MAX = 32
+_SEEN_MAX_BYTES = 64 << 10
+
+
+def _header_bytes(path: str) -> tuple[bytes, int] | None:
+    """The file's framing and header bytes and its size, or None when they are not plainly there (the full
+    reading below then says why)."""
+    try:
+        with open(path, "rb") as file:
+            prefix = file.read(8)
+            if len(prefix) != 8:
+                return None
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _SEEN_MAX_BYTES:
+                return None
+            raw = prefix + file.read(length)
+            return raw, os.fstat(file.fileno()).st_size
+    except OSError:
+        return None
+
+
+def _file_facts(path: str, label: str) -> _FileFacts:
+    key = _header_bytes(path)
+    if key is not None and (known := _SEEN.get(key)) is not None:
+        return known
+    try:
+        handle = safe_open(path, framework="np")
+    except SafetensorError as exc:
+        raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
+    with handle as opened:
+        metadata = opened.metadata() or {}
+        present = list(opened.keys())
+    if metadata.get("format", FORMAT) != FORMAT:
+        raise ValueError(f"{label} is not a {FORMAT} file (format {metadata.get('format')!r})")
+    try:
+        encoding, scales = read_encoding(metadata)
+    except ValueError as exc:
+        raise ValueError(f"{label}: {exc}") from None
+    try:
+        header, data_start = read_header(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
+    facts = _FileFacts(encoding, scales, header, data_start, present)
+    if key is not None and not scales and key == _header_bytes(path):  # int8 headers hold their own scales
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.pop(next(iter(_SEEN)), None)
+        _SEEN[key] = facts
+    return facts
+
+
 class FlatDelta:
     """One delta checked against the spec and cut into pieces of the round's coordinate order."""
 
     def __init__(self, inp: DeltaInput, index: int, order: CoordinateOrder, shared: dict | None = None):
         self.path = inp.path
         self.label = label = f"delta #{index} ({inp.path})"
-        try:
-            handle = safe_open(inp.path, framework="np")
-        except SafetensorError as exc:
-            raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
-        with handle as opened:
-            metadata = opened.metadata() or {}
-            present = list(opened.keys())
-        if metadata.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"{label} is not a {FORMAT} file (format {metadata.get('format')!r})")
-        try:
-            self.encoding, scales = read_encoding(metadata)
-        except ValueError as exc:
-            raise ValueError(f"{label}: {exc}") from None
+        facts = _file_facts(inp.path, label)
+        self.encoding = facts.encoding
+        scales, header, data_start, present = facts.scales, facts.header, facts.data_start, facts.present
         stored = ENCODINGS[self.encoding]
-        try:
-            header, data_start = read_header(inp.path)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
         shapes = order.shapes
         check_keys(label, present, shapes)
         for key in present:
@@ -259,17 +310,30 @@ def flat_norms(deltas: list[FlatDelta]) -> list[float]:
     return norms
 
 
+# Coordinates summed per step of a weighted sum: a block of the float64 sums (256 KiB) stays in the CPU's cache
+# while every delta's values for it are added, where a whole-length sum would stream through memory once per
+# delta. No larger than torch's grain size (32,768), so each addition runs on the calling thread: with larger blocks,
+# two processes on two cores handing every block to torch's threads ran ten times slower (bench/README.md,
+# "aggregation.py").
+SUM_COLUMNS = 1 << 17
+ADD_COLUMNS = 1 << 15
+
+
 def flat_weighted_sum(deltas: list[FlatDelta], weights: list[float]) -> np.ndarray:
-    """``sum_i weights[i] * delta_i`` over every coordinate, in float64, one delta read at a time (each
-    element as ``base.weighted_sum`` computes it: the float32 value times its weight, added in float64)."""
+    """``sum_i weights[i] * delta_i`` over every coordinate, in float64, a block of coordinates at a time, the
+    deltas in order within each (each element as ``base.weighted_sum`` computes it: the float32 value times its
+    weight, added in float64, delta by delta; so the same bytes whatever the block's size)."""
     total = deltas[0].order.total if deltas else 0
     sums = torch.zeros(total, dtype=torch.float64)
-    buffer = np.empty(min(READ_COLUMNS, max(1, total)), dtype=np.float32)
-    for delta, weight in zip(deltas, weights, strict=True):
-        with delta.opened() as reader:
-            for start in range(0, total, READ_COLUMNS):
-                stop = min(total, start + READ_COLUMNS)
-                sums[start:stop].add_(torch.from_numpy(reader.read(start, stop, buffer)), alpha=weight)
+    buffer = np.empty(min(SUM_COLUMNS, max(1, total)), dtype=np.float32)
+    values = torch.from_numpy(buffer)
+    for start in range(0, total, SUM_COLUMNS):
+        stop = min(total, start + SUM_COLUMNS)
+        block = sums[start:stop]
+        for delta, weight in zip(deltas, weights, strict=True):
+            delta.read(start, stop, buffer)
+            for at in range(0, stop - start, ADD_COLUMNS):  # each addition on this thread (see ADD_COLUMNS)
+                block[at : at + ADD_COLUMNS].add_(values[at : min(stop - start, at + ADD_COLUMNS)], alpha=weight)
     return sums.numpy()
 
 

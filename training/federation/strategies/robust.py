@@ -1,12 +1,12 @@
 """Robust aggregation: coordinate-wise trimmed mean and median, Krum and Multi-Krum.
 
 All four read the deltas in blocks of coordinates (``strategies.flat``: the round's coordinate order, one
-``pread`` per delta and block): a block holds as many coordinates as ``memory_budget`` allows for N deltas
-(at most ``chunk_elements``), so working memory stays within the budget whatever N is, plus O(model) for the
-result, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by ``min(1, C / norm)``.
-The coordinate rules select, they do not sort: each coordinate's N values are laid side by side and the
-median found by one in-place partition (the trimmed mean sorts, as it sums the middle); Krum's Gram matrix is
-float32 matrix products of short blocks, added up in float64.
+``pread`` per delta and block): a block holds as many coordinates as ``memory_budget`` allows for N deltas once
+the result's own memory (O(model)) is set aside (at most ``chunk_elements``), so the rule's memory stays within
+the budget whatever N is, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
+``min(1, C / norm)``. The coordinate rules select, they do not sort: each coordinate's N values are laid side
+by side and the median found by one in-place partition (the trimmed mean sorts, as it sums the middle); Krum's
+Gram matrix is float32 matrix products of short blocks, added up in float64.
 
 They are unweighted on purpose: ``num_samples`` is reported by the device itself, so weighting by it would
 let one attacker claiming a huge sample count outweigh everyone and void the breakdown point these rules
@@ -111,9 +111,16 @@ class RobustStrategy(Strategy):
         total = sum(math.prod(shape) for shape in check_spec(spec).values())
         return coordinate_spans(total, params["coordinate_shards"])
 
-    def columns(self, n: int, params: dict, bytes_per_value: int) -> int:
-        """Coordinates per block: what the memory budget holds for N deltas, at most ``chunk_elements``."""
-        return max(1, min(params["chunk_elements"], block_columns(n, params["memory_budget"], bytes_per_value)))
+    # Set aside from the budget before blocks are sized: per coordinate of the adapter, the result's float32
+    # parts and their joined copy (``assemble``); and buffers and the allocator's slack.
+    RESULT_BYTES = 8
+    RESERVE_BYTES = 8 << 20
+
+    def columns(self, n: int, params: dict, bytes_per_value: int, total: int = 0) -> int:
+        """Coordinates per block: what the memory budget holds for N deltas once the result of an adapter of
+        ``total`` coordinates is set aside, at most ``chunk_elements``."""
+        budget = max(0, params["memory_budget"] - self.RESULT_BYTES * total - self.RESERVE_BYTES)
+        return max(1, min(params["chunk_elements"], block_columns(n, budget, bytes_per_value)))
 
     def blocks(self, deltas, factors, span: tuple[int, int], columns: int):
         """``(start, stop, block)`` over the span's coordinates: block is float32 [N, stop - start], reused."""
@@ -181,7 +188,8 @@ class CoordinateStrategy(RobustStrategy):
     def span_values(self, deltas, factors, params, span, mixing=None) -> torch.Tensor:
         """The rule's result over one span: float32 [span length]."""
         n = len(deltas)
-        columns = self.columns(n, params, self.MIXING_BLOCK_BYTES if mixing is not None else self.BLOCK_BYTES)
+        total = deltas[0].order.total if deltas else 0
+        columns = self.columns(n, params, self.MIXING_BLOCK_BYTES if mixing is not None else self.BLOCK_BYTES, total)
         result = torch.empty(span[1] - span[0], dtype=torch.float32)
         rows = torch.empty(max(1, min(columns, span[1] - span[0])), n, dtype=torch.float32)
         for start, stop, block in self.blocks(deltas, factors, span, columns):

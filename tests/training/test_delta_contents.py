@@ -1,0 +1,125 @@
+"""The one-pass contents check (training/federation/delta_contents.py) reads float deltas a read at a time
+across tensor boundaries and int8 deltas a tensor at a time: whatever the reads' sizes, the norm is the
+float64 norm of the decoded values, a NaN or an infinity is found in the tensor it lies in, and a finite value
+whose square overflows float32 is a large norm, not a bad value."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from edge_agent.delta import decode_tensor, encode_delta, read_encoding
+from training.federation.delta_contents import Rejection, contents_check
+
+SHAPES = {f"layers.{i}.lora_{ab}.weight": ((4, 33) if ab == "A" else (33, 4)) for i in range(5) for ab in "AB"}
+
+
+class Trickle(io.RawIOBase):
+    """A stored file that hands out at most ``step`` bytes per read, so values straddle reads."""
+
+    def __init__(self, data: bytes, step: int):
+        self.data, self.step, self.at = data, step, 0
+
+    def read(self, count: int = -1) -> bytes:
+        part = self.data[self.at : self.at + min(self.step, count if count >= 0 else self.step)]
+        self.at += len(part)
+        return part
+
+
+def _adapter(encoding: str, max_norm: float | None = None):
+    dtype = {"f32": "F32", "f16": "F16", "int8": "I8"}[encoding]
+    spec = {name: {"shape": list(shape), "dtype": dtype} for name, shape in SHAPES.items()}
+    return SimpleNamespace(tensor_spec=spec, aggregation={"max_norm": max_norm}, dp={})
+
+
+def _tensors(**override) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    tensors = {name: torch.randn(shape, generator=generator) * 0.01 for name, shape in SHAPES.items()}
+    return {**tensors, **override}
+
+
+def _metadata(data: bytes) -> dict:
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length]).get("__metadata__", {})
+
+
+def _check(data: bytes, encoding: str, step: int | None, max_norm: float | None = None):
+    handle = io.BytesIO(data) if step is None else Trickle(data, step)
+    return contents_check(
+        handle, size=len(data), sha256=hashlib.sha256(data).hexdigest(), adapter=_adapter(encoding, max_norm)
+    )
+
+
+@pytest.mark.parametrize("encoding", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("step", [None, 1, 3, 7, 4096])
+def test_the_norm_is_the_decoded_values_float64_norm_whatever_the_reads(encoding, step):
+    data = encode_delta(_tensors(), encoding=encoding)
+    stored = load_safetensors(data)
+    _, scales = read_encoding(_metadata(data))
+    expected = math.sqrt(
+        sum(
+            float(decode_tensor(tensor, encoding=encoding, scale=scales.get(name)).double().square().sum())
+            for name, tensor in stored.items()
+        )
+    )
+    assert _check(data, encoding, step) == (encoding, pytest.approx(expected, rel=1e-12))
+
+
+@pytest.mark.parametrize("encoding", ["f32", "f16"])
+@pytest.mark.parametrize("step", [None, 3])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_bad_value_is_found_in_the_tensor_it_lies_in(encoding, step, bad):
+    names = list(SHAPES)
+    target = names[6]
+    value = _tensors()[target].clone()
+    value[2, 1] = bad
+    data = encode_delta(_tensors(**{target: value}), encoding=encoding)
+    with pytest.raises(Rejection) as found:
+        _check(data, encoding, step)
+    assert found.value.code == "not_finite"
+    assert found.value.detail == f"tensor {target!r} holds NaN or infinite values"
+
+
+def test_the_last_value_of_a_tensor_is_found_in_that_tensor_not_the_next():
+    names = list(SHAPES)
+    value = _tensors()[names[3]].clone()
+    value[-1, -1] = float("nan")
+    with pytest.raises(Rejection, match=repr(names[3])):
+        _check(encode_delta(_tensors(**{names[3]: value})), "f32", 5)
+
+
+def test_a_finite_value_whose_square_overflows_float32_is_a_large_norm_not_a_bad_value():
+    names = list(SHAPES)
+    value = _tensors()[names[1]].clone()
+    value[0, 0] = 1e30
+    data = encode_delta(_tensors(**{names[1]: value}))
+    assert _check(data, "f32", None)[1] == pytest.approx(1e30, rel=1e-6)
+    with pytest.raises(Rejection) as found:
+        _check(data, "f32", 11, max_norm=10.0)
+    assert found.value.code == "norm_too_large"
+
+
+def test_a_header_seen_before_is_still_checked_against_each_adapter_and_its_values_read_each_time():
+    data = encode_delta(_tensors())
+    assert _check(data, "f32", None)[0] == "f32"  # its header is now known to pass
+    other = _adapter("f32")
+    name = next(iter(SHAPES))
+    other.tensor_spec[name] = {"shape": [5, 33], "dtype": "F32"}
+    with pytest.raises(Rejection) as found:
+        contents_check(io.BytesIO(data), size=len(data), sha256=hashlib.sha256(data).hexdigest(), adapter=other)
+    assert found.value.code == "spec_mismatch"
+    names = list(SHAPES)
+    value = _tensors()[names[2]].clone()
+    value[0, 0] = float("nan")
+    bad = encode_delta(_tensors(**{names[2]: value}))
+    assert bad[:64] == data[:64]  # the same header, byte for byte
+    with pytest.raises(Rejection, match="not_finite|holds NaN"):
+        _check(bad, "f32", None)
