@@ -20,7 +20,14 @@ from safetensors import safe_open
 from edge_agent.delta import ENCODINGS, read_encoding
 from training.federation.aggregation_settings import aggregation_settings
 from training.models import Adapter
-from training.registry.artifacts import ArtifactRejected, check_spec, data_layout, header_length, parse_header
+from training.registry.artifacts import (
+    ArtifactRejected,
+    PassedHeaders,
+    check_spec,
+    data_layout,
+    header_length,
+    parse_header,
+)
 from training.registry.blobs import CHUNK
 
 
@@ -209,21 +216,9 @@ class _Header:
     layout: list[tuple[str, int, int]]
 
 
-# Headers seen to pass, by their bytes and the file's size: the deltas of one adapter in one float encoding
-# share theirs byte for byte, so the JSON parse, the entries' checks and the library's check (most of the
-# time a LoRA delta of many small tensors spends outside hashing its values) run once per process, not once
-# per delta. Bounded: small float headers only, and few of them.
-_PASSED: dict[tuple[bytes, int], _Header] = {}
-_PASSED_MAX = 32
-_PASSED_MAX_BYTES = 64 << 10
-
-
-def _remember(key: tuple[bytes, int], facts: _Header) -> None:
-    if len(key[0]) > _PASSED_MAX_BYTES or facts.scales:  # an int8 header holds its delta's own scales
-        return
-    if len(_PASSED) >= _PASSED_MAX:
-        _PASSED.pop(next(iter(_PASSED)), None)  # the oldest
-    _PASSED[key] = facts
+# Headers seen to pass every check independent of the adapter (most of the time a LoRA delta of many small
+# tensors spends outside hashing its values: the JSON, the entries, the library's check).
+_PASSED: PassedHeaders[_Header] = PassedHeaders()
 
 
 def _check_header(head: bytes, header_size: int, size: int, adapter: Adapter, path: str | None) -> _Header:
@@ -255,7 +250,8 @@ def _check_header(head: bytes, header_size: int, size: int, adapter: Adapter, pa
         except ArtifactRejected as exc:
             raise Rejection("malformed", str(exc)) from None
         facts = _Header(header, encoding, scales, layout)
-        _remember((head, size), facts)
+        if not scales:  # an int8 header holds its delta's own scales
+            _PASSED.keep((head, size), facts)
     return facts
 
 

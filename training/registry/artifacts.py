@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -21,6 +21,32 @@ from edge_agent.safetensors_header import loads_noting_repeats, repeat_refusal
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 10_000
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+Facts = TypeVar("Facts")
+
+
+class PassedHeaders(Generic[Facts]):
+    """What a reader learned from headers that passed its checks, kept by the header's bytes (with their 8-byte
+    framing) and the file's size: the deltas of one adapter in one float encoding share theirs byte for byte, so
+    the JSON parse and the checks that depend on the header alone run once per process, not once per delta.
+    Bounded: headers of at most ``max_bytes`` and ``max_entries`` of them, the oldest dropped first. A header
+    that carries a delta's own values (int8 scales) is the caller's not to keep."""
+
+    def __init__(self, max_entries: int = 32, max_bytes: int = 64 << 10):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._kept: dict[tuple[bytes, int], Facts] = {}
+
+    def get(self, key: tuple[bytes, int]) -> Facts | None:
+        return self._kept.get(key)
+
+    def keep(self, key: tuple[bytes, int], facts: Facts) -> None:
+        if len(key[0]) > self.max_bytes:
+            return
+        if key not in self._kept and len(self._kept) >= self.max_entries:
+            self._kept.pop(next(iter(self._kept)), None)  # the oldest
+        self._kept[key] = facts
 
 
 class ArtifactRejected(ValueError):

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from edge_agent.delta import ENCODINGS, FORMAT, read_encoding
 from edge_agent.safetensors_header import loads_noting_repeats
+from training.registry.artifacts import PassedHeaders
 
 from .base import DeltaInput, Shape, check_keys
 
@@ -35,22 +36,32 @@ NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """The safetensors header (a name given twice is refused) and where the data section starts."""
+def _framed_header(path: str, limit: int) -> tuple[bytes, int]:
+    """The file's 8 bytes of framing and the header they announce (at most ``limit`` bytes), and its size."""
     with open(path, "rb") as file:
         prefix = file.read(8)
         if len(prefix) != 8:
             raise ValueError("the file is shorter than a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES:
+        if length > limit:
             raise ValueError("the header is too large")
-        raw = file.read(length)
-    header, repeats = loads_noting_repeats(raw)
+        return prefix + file.read(length), os.fstat(file.fileno()).st_size
+
+
+def _parse_framed(raw: bytes) -> tuple[dict, int]:
+    """The header in ``raw`` (framing and header bytes: ``_framed_header``), a name given twice refused, and
+    where the data section starts."""
+    header, repeats = loads_noting_repeats(raw[8:])
     if repeats:
         raise ValueError(f"the header names {repeats[0].key!r} twice")
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
-    return header, 8 + length
+    return header, len(raw)
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """The safetensors header (a name given twice is refused) and where the data section starts."""
+    return _parse_framed(_framed_header(path, MAX_HEADER_BYTES)[0])
 
 
 @dataclass(frozen=True)
@@ -118,34 +129,17 @@ class _FileFacts:
     present: list[str]
 
 
-# Headers read before, by their bytes and the file's size: one adapter's deltas in a float encoding share
-# theirs byte for byte, so the library's read and the JSON parse run once per process rather than once per
-# delta (the rest of a LoRA delta's setup, many small tensors, is per key). Small float headers only, and few.
-_SEEN: dict[tuple[bytes, int], _FileFacts] = {}
-_SEEN_MAX = 32
-_SEEN_MAX_BYTES = 64 << 10
-
-
-def _header_bytes(path: str) -> tuple[bytes, int] | None:
-    """The file's framing and header bytes and its size, or None when they are not plainly there (the full
-    reading below then says why)."""
-    try:
-        with open(path, "rb") as file:
-            prefix = file.read(8)
-            if len(prefix) != 8:
-                return None
-            (length,) = struct.unpack("<Q", prefix)
-            if length > _SEEN_MAX_BYTES:
-                return None
-            raw = prefix + file.read(length)
-            return raw, os.fstat(file.fileno()).st_size
-    except OSError:
-        return None
+# Headers read before (``PassedHeaders``): the library's read and the JSON parse run once per process rather
+# than once per delta (the rest of a LoRA delta's setup, many small tensors, is per key).
+_KNOWN: PassedHeaders[_FileFacts] = PassedHeaders()
 
 
 def _file_facts(path: str, label: str) -> _FileFacts:
-    key = _header_bytes(path)
-    if key is not None and (known := _SEEN.get(key)) is not None:
+    try:  # the key to what is known: the header's bytes and the file's size, when they are plainly there
+        key = _framed_header(path, _KNOWN.max_bytes)
+    except (ValueError, OSError):
+        key = None  # the full reading below says why
+    if key is not None and (known := _KNOWN.get(key)) is not None:
         return known
     try:
         handle = safe_open(path, framework="np")
@@ -161,14 +155,12 @@ def _file_facts(path: str, label: str) -> _FileFacts:
     except ValueError as exc:
         raise ValueError(f"{label}: {exc}") from None
     try:
-        header, data_start = read_header(path)
+        header, data_start = _parse_framed(key[0]) if key is not None else read_header(path)
     except (ValueError, OSError) as exc:
         raise ValueError(f"{label} is not a readable safetensors file: {exc}") from None
     facts = _FileFacts(encoding, scales, header, data_start, present)
-    if key is not None and not scales and key == _header_bytes(path):  # int8 headers hold their own scales
-        if len(_SEEN) >= _SEEN_MAX:
-            _SEEN.pop(next(iter(_SEEN)), None)
-        _SEEN[key] = facts
+    if key is not None and not scales:  # int8 headers hold their own scales
+        _KNOWN.keep(key, facts)
     return facts
 
 
