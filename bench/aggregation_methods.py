@@ -311,7 +311,7 @@ def method_two(job, size, envelopes) -> dict:
 
         combined_start = time.perf_counter()
         partials = sorted(p for o in outs for p in o["partials"])
-        loaded = [(load_safetensors(Path(path).read_bytes()), float(weight)) for _, path, weight in partials]
+        loaded = ((load_safetensors(Path(path).read_bytes()), float(weight)) for _, path, weight in partials)
         result = get_strategy("fedavg").combine(loaded, spec=spec_of(size), base=None, params=job["params"])
         out["combine_seconds"] = time.perf_counter() - combined_start
         save_result(size.label, job["method"], result)

@@ -18,6 +18,7 @@ from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import decode_tensor, encode_delta, read_encoding
 from training.federation.delta_contents import Rejection, contents_check
+from training.registry.artifacts import PassedHeaders
 
 SHAPES = {f"layers.{i}.lora_{ab}.weight": ((4, 33) if ab == "A" else (33, 4)) for i in range(5) for ab in "AB"}
 
@@ -32,6 +33,15 @@ class Trickle(io.RawIOBase):
         part = self.data[self.at : self.at + min(self.step, count if count >= 0 else self.step)]
         self.at += len(part)
         return part
+
+
+class TrickleInto(Trickle):
+    """The same, filling the reader's buffer (``readinto``, as a local file does) at most ``step`` bytes a time."""
+
+    def readinto(self, buffer) -> int:
+        part = self.read(len(buffer))
+        buffer[: len(part)] = part
+        return len(part)
 
 
 def _adapter(encoding: str, max_norm: float | None = None):
@@ -105,6 +115,32 @@ def test_a_finite_value_whose_square_overflows_float32_is_a_large_norm_not_a_bad
     with pytest.raises(Rejection) as found:
         _check(data, "f32", 11, max_norm=10.0)
     assert found.value.code == "norm_too_large"
+
+
+def test_the_headers_kept_are_few_and_small_the_oldest_dropped_first():
+    kept = PassedHeaders(max_entries=2, max_bytes=16)
+    kept.keep((b"a" * 8, 100), "first")
+    kept.keep((b"b" * 8, 100), "second")
+    kept.keep((b"a" * 8, 100), "first again")  # already kept: replaced, nothing dropped
+    assert kept.get((b"a" * 8, 100)) == "first again" and kept.get((b"b" * 8, 100)) == "second"
+    kept.keep((b"c" * 8, 100), "third")
+    assert kept.get((b"a" * 8, 100)) is None  # the oldest, dropped
+    assert kept.get((b"c" * 8, 100)) == "third"
+    assert kept.get((b"c" * 8, 101)) is None  # the same header in a file of another size is another key
+    kept.keep((b"d" * 17, 100), "too large")
+    assert kept.get((b"d" * 17, 100)) is None and kept.get((b"b" * 8, 100)) == "second"
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096])
+def test_a_stream_filling_the_readers_buffer_in_short_reads_gives_the_same_answers(step):
+    data = encode_delta(_tensors(), encoding="f16")
+    want = _check(data, "f16", None)
+    sha = hashlib.sha256(data).hexdigest()
+    assert contents_check(TrickleInto(data, step), size=len(data), sha256=sha, adapter=_adapter("f16")) == want
+    with pytest.raises(Rejection) as found:  # and every byte still hashed: one changed is a mismatch
+        changed = data[:-1] + bytes([data[-1] ^ 1])
+        contents_check(TrickleInto(changed, step), size=len(data), sha256=sha, adapter=_adapter("f16"))
+    assert found.value.code == "hash_mismatch"
 
 
 def test_a_header_seen_before_is_still_checked_against_each_adapter_and_its_values_read_each_time():

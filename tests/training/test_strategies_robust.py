@@ -22,7 +22,7 @@ from tests.training.strategy_support import (
     write,
 )
 from training.federation.strategies import DeltaInput, get_strategy
-from training.federation.strategies.flat import CoordinateOrder, FlatDelta
+from training.federation.strategies.flat import CoordinateOrder, FlatDelta, open_flat
 
 
 def stacked_reference(inputs, factors=None):
@@ -54,8 +54,39 @@ def test_the_coordinate_order_follows_the_first_file_and_covers_every_coordinate
         assert torch.equal(torch.from_numpy(np.array(value)), want), key
 
 
+def test_deltas_with_one_header_share_their_pieces_and_one_with_another_reads_its_own(tmp_path):
+    """A round checks and cuts a header once: deltas that share it share their keys and pieces; a delta with
+    another header (here lacking a tensor, as an FFA delta lacks lora_A) gets its own, and each reads its values."""
+    shapes = {k: tuple(v["shape"]) for k, v in SPEC.items()}
+    gen = torch.Generator().manual_seed(9)
+    same = [rand_tensors(gen) for _ in range(3)]
+    paths = [write(tmp_path, f"same{i}", tensors) for i, tensors in enumerate(same)]
+    lacking = next(k for k in SPEC if ".lora_A." in k)
+    other = {k: v for k, v in rand_tensors(gen).items() if k != lacking}
+    paths.append(write(tmp_path, "other", other))
+    order, deltas = open_flat([DeltaInput(path, 1) for path in paths], shapes)
+    assert deltas[1].pieces is deltas[0].pieces and deltas[2].pieces is deltas[0].pieces
+    assert deltas[3].pieces is not deltas[0].pieces and lacking not in deltas[3].keys
+    flat = np.empty(order.total, dtype=np.float32)
+    for delta, tensors in zip(deltas, [*same, other], strict=True):
+        delta.read(0, order.total, flat)
+        for key, value in order.split(flat).items():
+            want = tensors[key].float() if key in tensors else torch.zeros(shapes[key])
+            assert torch.equal(torch.from_numpy(np.array(value)), want), key
+
+
+@pytest.mark.parametrize(("n", "c"), [(1, 5), (7, 4097), (205, 9000), (100, 8192)])
+def test_the_tiled_transposition_is_the_transpose(n, c):
+    values = torch.randn(n, c, generator=torch.Generator().manual_seed(n))
+    out = torch.full((c, n), float("nan"))
+    strategies_robust.transpose_into(out, values)
+    assert torch.equal(out, values.T)
+
+
 @pytest.mark.parametrize("n", [7, 8])
-def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n):
+@pytest.mark.parametrize("sort_up_to", [256, 0])  # rows sorted, or (an odd N above it) the middle selected
+def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n, sort_up_to):
+    monkeypatch.setattr(strategies_robust.Median, "SORT_UP_TO", sort_up_to)
     inputs = make_inputs(tmp_path, n, encoding="f16")
     got = run("median", inputs, {"chunk_elements": 7})
     for key, stacked in stacked_reference(inputs).items():

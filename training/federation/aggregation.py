@@ -25,7 +25,7 @@ from safetensors.torch import save as save_safetensors
 
 from training import dispatch
 from training.federation.aggregation_settings import aggregation_settings, dp_settings
-from training.federation.strategies import DeltaInput, get_strategy
+from training.federation.strategies import DeltaInput, get_strategy, shards
 from training.models import Adapter, AdapterVersion, Delta, Round
 from training.registry.blobs import blob_local_path, blob_put_bytes, blob_read
 from training.registry.services import _next_number, _record
@@ -100,8 +100,7 @@ def shards_of(round_: Round, deltas: list[Delta]) -> list[list[int]] | None:
     size = int(round_.params.get("shard_size", 64))
     if not strategy.shardable or len(deltas) <= size:
         return None
-    ids = [delta.pk for delta in deltas]
-    return [ids[i : i + size] for i in range(0, len(ids), size)]
+    return shards([delta.pk for delta in deltas], size)
 
 
 def spans_of(round_: Round, deltas: list[Delta]) -> list[tuple[int, int]] | None:
@@ -239,8 +238,10 @@ def combine_partials(*, round_id: int, partials: list[dict], seed: int | None = 
     if "dp" in params:
         params["dp"] = {**params["dp"], "seed": seed if seed is not None else secrets.randbits(62)}
     base = _base_tensors(round_)
-    loaded = [(load_safetensors(blob_read(p["sha256"])), float(p["weight"])) for p in partials]
     started = time.monotonic()
+    # One partial loaded at a time (combine takes any iterable, in order): memory is the sum and one float64
+    # partial, where a list held every shard's at once (16 shards of a 10M adapter: 1.3 GB).
+    loaded = ((load_safetensors(blob_read(p["sha256"])), float(p["weight"])) for p in partials)
     delta = strategy.combine(loaded, spec=round_.adapter.tensor_spec, base=base, params=params)
     return _finish(round_, base, delta, round_deltas(round_), started, shards=len(partials))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import io
 import math
 import tempfile
 from collections.abc import Iterator
@@ -49,7 +50,10 @@ def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
     }
 
 
-DECODE_SLICE = 1 << 18  # values decoded at a time: at most 2 MiB of float64 squares, whatever the tensor's size
+# Values decoded at a time, into one float64 buffer reused for every slice of every read: 256 KiB, so it stays
+# in the CPU's cache between the decoding and the sum of squares (a new 2 MiB array per slice, as before, cost
+# more in page faults than the arithmetic: bench/README.md, "aggregation.py").
+DECODE_SLICE = 1 << 15
 _STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
 
 
@@ -58,40 +62,55 @@ class _ShortFile(Exception):
 
 
 class _Stream:
-    """The stored file read once, front to back, CHUNK bytes at a time, each read hashed and counted."""
+    """The stored file read once, front to back, CHUNK bytes at a time into one reused buffer, each read hashed
+    and counted. A view it hands out holds until the next read (a new 1 MiB object per read, and copies of what
+    was left of one, cost as much as decoding the values: bench/README.md, "aggregation.py")."""
 
     def __init__(self, handle: BinaryIO):
         self.handle = handle
         self.digest = hashlib.sha256()
         self.size = 0
-        self.pending = b""  # read and hashed, not yet taken
+        self.buffer = bytearray(CHUNK)
+        self.into = True  # the handle fills the buffer (``readinto``); else each read is a new object
+        self.pending = memoryview(b"")  # read and hashed, not yet taken
 
-    def _read(self) -> bytes:
-        chunk = self.handle.read(CHUNK)
+    def _read(self) -> memoryview:
+        chunk = None
+        if self.into:
+            try:
+                count = self.handle.readinto(self.buffer)
+            except (AttributeError, NotImplementedError, io.UnsupportedOperation):
+                self.into = False  # a stream without readinto (S3's, some wrappers): read() from now on
+            else:
+                chunk = memoryview(self.buffer)[: count or 0]
+        if chunk is None:
+            chunk = memoryview(self.handle.read(CHUNK))
         if chunk:
             self.digest.update(chunk)
             self.size += len(chunk)
         return chunk
 
     def take(self, count: int) -> bytes:
-        """The next ``count`` bytes (the framing and the header: at most MAX_HEADER_BYTES + 8)."""
-        parts, have = [self.pending], len(self.pending)
-        while have < count and (chunk := self._read()):
-            parts.append(chunk)
-            have += len(chunk)
-        if have < count:
-            raise _ShortFile
-        data = b"".join(parts) if len(parts) > 1 else parts[0]
-        self.pending = data[count:]
-        return data[:count]
+        """The next ``count`` bytes (the framing and the header: at most MAX_HEADER_BYTES + 8), copied."""
+        parts, have, pending = [], 0, self.pending
+        while have + len(pending) < count:
+            parts.append(bytes(pending))  # the buffer is read into again below
+            have += len(pending)
+            pending = self._read()
+            if not pending:
+                self.pending = pending
+                raise _ShortFile
+        parts.append(bytes(pending[: count - have]))
+        self.pending = pending[count - have :]
+        return b"".join(parts)
 
     def rest(self) -> Iterator[memoryview]:
-        """The bytes after those taken, a chunk at a time."""
+        """The bytes after those taken, a chunk at a time (each view holds until the next is asked for)."""
         if self.pending:
-            yield memoryview(self.pending)
-            self.pending = b""
+            yield self.pending
+            self.pending = memoryview(b"")
         while chunk := self._read():
-            yield memoryview(chunk)
+            yield chunk
 
 
 class _Values:
@@ -120,6 +139,8 @@ class _Values:
         self.done = 0  # int8: its bytes seen so far
         self.carry = b""  # the start of a value split between two reads
         self.squares = 0.0
+        self.wide = np.empty(DECODE_SLICE, dtype=np.float64)  # the slice being summed, decoded
+        self.scaled = np.empty(DECODE_SLICE, dtype=np.float32) if self.scales else None  # int8 times its scale
 
     def feed(self, view: memoryview) -> None:
         if self.by_read:
@@ -161,10 +182,11 @@ class _Values:
         scale = self.scales.get(name)
         for first in range(0, len(values), DECODE_SLICE):
             part = values[first : first + DECODE_SLICE]
+            wide = self.wide[: len(part)]
             with np.errstate(all="ignore"):  # NaN and overflow are found below, not warned about
-                if scale is not None:
-                    part = part.astype(np.float32) * scale
-                wide = part.astype(np.float64)
+                if scale is not None:  # in float32, as edge_agent.delta.decode_tensor, then widened
+                    part = np.multiply(part, scale, out=self.scaled[: len(part)], dtype=np.float32)
+                np.copyto(wide, part)
                 # A sum of squares of float32 values in float64 is finite exactly when every value is. einsum:
                 # one thread (np.dot hands a slice this size to BLAS threads, which contend with other workers).
                 squares = float(np.einsum("i,i->", wide, wide))
@@ -283,7 +305,7 @@ def contents_check(
     failed check as a ``Rejection``. The bytes are hashed and counted on the way; if they are not the ``size``
     bytes of ``sha256`` the signature covers, that is the answer (``hash_mismatch``, before any finding on the
     contents, which are then not the signed file's). Memory, whatever the file's size: the header (at most 1 MiB),
-    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (at most 3 MiB)."""
+    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (256 KiB)."""
     stream = _Stream(handle)
     found: Rejection | None = None
     try:

@@ -172,6 +172,13 @@ class FlatDelta:
         self.label = label = f"delta #{index} ({inp.path})"
         facts = _file_facts(inp.path, label)
         self.encoding = facts.encoding
+        self.order = order
+        # A header this round has checked and cut already (the same facts: ``_KNOWN``): the same keys and pieces,
+        # shared, rather than the per-key checks again for each of a LoRA adapter's many small tensors.
+        known = shared.get(id(facts)) if shared is not None else None
+        if known is not None and known[0] is facts:
+            self.keys, self.pieces = known[1], known[2]
+            return
         scales, header, data_start, present = facts.scales, facts.header, facts.data_start, facts.present
         stored = ENCODINGS[self.encoding]
         shapes = order.shapes
@@ -209,7 +216,8 @@ class FlatDelta:
             else:
                 pieces.append(Piece(start, stop, offset, stored, scale))
         self.pieces = pieces
-        self.order = order
+        if shared is not None:
+            shared[id(facts)] = (facts, self.keys, pieces)  # facts held here, so its id stays its own
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[_OpenDelta]:

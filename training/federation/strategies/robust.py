@@ -4,8 +4,9 @@ All four read the deltas in blocks of coordinates (``strategies.flat``: the roun
 ``pread`` per delta and block): a block holds as many coordinates as ``memory_budget`` allows for N deltas once
 the result's own memory (O(model)) is set aside (at most ``chunk_elements``), so the rule's memory stays within
 the budget whatever N is, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
-``min(1, C / norm)``. The coordinate rules select, they do not sort: each coordinate's N values are laid side
-by side and the median found by one in-place partition (the trimmed mean sorts, as it sums the middle); Krum's
+``min(1, C / norm)``. Each coordinate's N values are laid side by side (a tiled transposition) and sorted in
+place, numpy's vectorized sort being faster on rows this short than a selection (which the median of an odd N
+above ``Median.SORT_UP_TO`` uses); Krum's
 Gram matrix is float32 matrix products of short blocks, added up in float64.
 
 They are unweighted on purpose: ``num_samples`` is reported by the device itself, so weighting by it would
@@ -52,6 +53,23 @@ def gather(deltas: list[FlatDelta], start: int, stop: int, factors: list[float],
         if factors[index] != 1.0:
             block[index] *= np.float32(factors[index])
     return block
+
+
+# Tiles of a transposition: at most 100 deltas (split evenly) by 4,096 coordinates, read and written while both
+# stay in the CPU's cache. One strided copy of a whole block took three times as long at N = 1,000, and a third
+# of median's time at 100 x 1M (bench/README.md, "aggregation.py").
+TILE_ROWS, TILE_COLUMNS = 100, 4096
+
+
+def transpose_into(out: torch.Tensor, values: torch.Tensor) -> None:
+    """``out[:] = values.T`` (``values`` [N, C], ``out`` [C, N]), tile by tile; the same values."""
+    n, c = values.shape
+    tall = -(-n // -(-n // TILE_ROWS)) if n else 1  # rows per tile, the tiles as even as they can be
+    for row in range(0, n, tall):
+        for column in range(0, c, TILE_COLUMNS):
+            out[column : column + TILE_COLUMNS, row : row + tall].copy_(
+                values[row : row + tall, column : column + TILE_COLUMNS].T
+            )
 
 
 def squared_distances(gram: torch.Tensor) -> torch.Tensor:
@@ -197,7 +215,7 @@ class CoordinateStrategy(RobustStrategy):
             if mixing is not None:
                 values = (mixing @ values.to(torch.float64)).to(torch.float32)
             transposed = rows[: stop - start]
-            transposed.copy_(values.T)  # a copy into a reused buffer: each coordinate's N values side by side
+            transpose_into(transposed, values)  # into a reused buffer: each coordinate's N values side by side
             result[start - span[0] : stop - span[0]] = torch.from_numpy(self.reduce(transposed.numpy(), params))
         return result
 
@@ -243,14 +261,22 @@ class Median(CoordinateStrategy):
 
     name = "median"
 
+    # Up to this many deltas a sort of each row (numpy's is vectorized) is faster than a selection
+    # (``partition``), and for an even N it gives both middle values at once; measured on rows of 7 to 1,000
+    # float32 values (bench/README.md, "aggregation.py"). Above it, an odd N selects its one middle value.
+    SORT_UP_TO = 256
+
     def reduce(self, rows, params):
         n = rows.shape[1]
         middle = n // 2
-        rows.partition(middle, axis=1)  # a selection, not a sort: row[middle] in place, smaller values before it
+        if n % 2 == 0 or n <= self.SORT_UP_TO:
+            rows.sort(axis=1)
+        else:
+            rows.partition(middle, axis=1)  # row[middle] in place, smaller values before it
         upper = rows[:, middle]
         if n % 2:
             return upper.copy()
-        lower = rows[:, :middle].max(axis=1)
+        lower = rows[:, middle - 1]
         return ((lower.astype(np.float64) + upper) / 2).astype(np.float32)
 
 
