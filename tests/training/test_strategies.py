@@ -60,17 +60,19 @@ def test_fedavg_sharded_is_bit_identical_to_one_shard_and_to_a_chord(tmp_path):
     # a chord: shards computed separately (here in reverse), combined in shard order
     params = {"shard_size": 3}
     parts = [strategy.partial(s, spec=SPEC, base={}, params=params) for s in reversed(shards(inputs, 3))][::-1]
-    assert [w for _, w in parts] == [1 + 4, 7 + 10, 13 + 16 + 19]  # three shards of at most 3, as even as can be
+    assert [w for _, w in parts] == [1, 4 + 7, 10 + 13, 16 + 19]  # an even count of shards of at most 3, even
     assert all(v.dtype == torch.float64 for sums, _ in parts for v in sums.values())
     chord = strategy.combine(parts, spec=SPEC, base={}, params=params)
     direct = run("fedavg", inputs, params)
     assert all(torch.equal(chord[k], direct[k]) for k in SPEC)
 
 
-def test_shards_are_as_few_as_the_size_allows_and_as_even_as_they_can_be():
+def test_shards_are_few_even_in_count_and_as_even_as_they_can_be():
     assert [len(s) for s in shards(list(range(100)), 64)] == [50, 50]  # not 64 + 36: one of two workers idle
     assert [len(s) for s in shards(list(range(1000)), 64)] == [62, 63] * 8
-    assert [len(s) for s in shards(list(range(7)), 3)] == [2, 2, 3]
+    assert [len(s) for s in shards(list(range(300)), 64)] == [50] * 6  # an even count: not 5 of 60, 3 + 2
+    assert [len(s) for s in shards(list(range(7)), 3)] == [1, 2, 2, 2]
+    assert [len(s) for s in shards(list(range(3)), 1)] == [1, 1, 1]  # never more shards than inputs
     assert shards(list(range(5)), 64) == [[0, 1, 2, 3, 4]]
     assert shards([], 64) == []
     assert sum(shards(list(range(130)), 7), []) == list(range(130))  # consecutive, every input once

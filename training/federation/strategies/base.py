@@ -92,12 +92,15 @@ def check_spec(spec) -> dict[str, Shape]:
 
 
 def shards(inputs: list[DeltaInput], size: int) -> list[list[DeltaInput]]:
-    """Consecutive shards of at most ``size`` inputs, as few as that allows and as even as they can be (sizes
-    differing by one at most): the unit of one partial sum. 100 inputs at 64 are 50 + 50, not 64 + 36, which
-    would leave one of two workers idle for a third of the time."""
+    """Consecutive shards of at most ``size`` inputs, as even as they can be (sizes differing by one at most): the
+    unit of one partial sum. As few as that allows, rounded up to an even count when there are several, so that
+    two workers (``WORKER_CONCURRENCY``'s default), or any even number, finish together: 100 inputs at 64 are 50
+    + 50, not 64 + 36, and 300 are 6 shards of 50, not 5 of 60 (3 + 2 on two workers)."""
     if not _is_int(size) or size < 1:
         raise ValueError(f"shard_size must be a whole number >= 1, not {size!r}")
     count = -(-len(inputs) // size)
+    if count > 1 and count % 2:
+        count = min(count + 1, len(inputs))
     bounds = [len(inputs) * i // count for i in range(count + 1)] if count else [0]
     return [list(inputs[start:stop]) for start, stop in zip(bounds, bounds[1:], strict=False)]
 
