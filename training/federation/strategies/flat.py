@@ -304,8 +304,8 @@ def flat_norms(deltas: list[FlatDelta]) -> list[float]:
         squares = 0.0
         with delta.opened() as reader:
             for start in range(0, total, READ_COLUMNS):
-                values = reader.read(start, min(total, start + READ_COLUMNS), buffer)
-                squares += float(np.dot(values.astype(np.float64), values.astype(np.float64)))
+                wide = reader.read(start, min(total, start + READ_COLUMNS), buffer).astype(np.float64)
+                squares += float(np.dot(wide, wide))  # one widened copy, not one per operand
         norms.append(math.sqrt(squares))
     return norms
 

@@ -6,8 +6,8 @@ the result's own memory (O(model)) is set aside (at most ``chunk_elements``), so
 the budget whatever N is, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
 ``min(1, C / norm)``. Each coordinate's N values are laid side by side (a tiled transposition) and sorted in
 place, numpy's vectorized sort being faster on rows this short than a selection (which the median of an odd N
-above ``Median.SORT_UP_TO`` uses); Krum's
-Gram matrix is float32 matrix products of short blocks, added up in float64.
+above ``Median.SORT_UP_TO`` uses); Krum's Gram matrix is float32 matrix products of short blocks, added up in
+float64.
 
 They are unweighted on purpose: ``num_samples`` is reported by the device itself, so weighting by it would
 let one attacker claiming a huge sample count outweigh everyone and void the breakdown point these rules
@@ -64,7 +64,7 @@ TILE_ROWS, TILE_COLUMNS = 100, 4096
 def transpose_into(out: torch.Tensor, values: torch.Tensor) -> None:
     """``out[:] = values.T`` (``values`` [N, C], ``out`` [C, N]), tile by tile; the same values."""
     n, c = values.shape
-    tall = -(-n // -(-n // TILE_ROWS)) if n else 1  # rows per tile, the tiles as even as they can be
+    tall = math.ceil(n / math.ceil(n / TILE_ROWS)) if n else 1  # rows per tile, the tiles as even as can be
     for row in range(0, n, tall):
         for column in range(0, c, TILE_COLUMNS):
             out[column : column + TILE_COLUMNS, row : row + tall].copy_(
