@@ -5,11 +5,14 @@ whose square overflows float32 is a large norm, not a bad value."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import json
 import math
+import mmap
 import struct
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +22,7 @@ from safetensors.torch import load as load_safetensors
 from edge_agent.delta import decode_tensor, encode_delta, read_encoding
 from training.federation.delta_contents import Rejection, contents_check
 from training.registry.artifacts import PassedHeaders
+from training.registry.blobs import CHUNK, page_aligned
 
 SHAPES = {f"layers.{i}.lora_{ab}.weight": ((4, 33) if ab == "A" else (33, 4)) for i in range(5) for ab in "AB"}
 
@@ -159,3 +163,57 @@ def test_a_header_seen_before_is_still_checked_against_each_adapter_and_its_valu
     assert bad[:64] == data[:64]  # the same header, byte for byte
     with pytest.raises(Rejection, match="not_finite|holds NaN"):
         _check(bad, "f32", None)
+
+
+def test_a_delta_of_many_reads_and_slices_gives_the_float64_norm_and_finds_a_bad_value_late_in_it():
+    # 420,000 values of one tensor: two 1 MiB reads, each several slices of widened values.
+    big = {"big.lora_A.weight": (600, 700), "small.lora_B.weight": (10, 10)}
+    generator = torch.Generator().manual_seed(3)
+    tensors = {name: torch.randn(shape, generator=generator) for name, shape in big.items()}
+    adapter = SimpleNamespace(
+        tensor_spec={name: {"shape": list(shape), "dtype": "F32"} for name, shape in big.items()},
+        aggregation={"max_norm": None},
+        dp={},
+    )
+    data = encode_delta(tensors)
+    expected = math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+    sha = hashlib.sha256(data).hexdigest()
+    assert contents_check(io.BytesIO(data), size=len(data), sha256=sha, adapter=adapter) == (
+        "f32",
+        pytest.approx(expected, rel=1e-12),
+    )
+    tensors["big.lora_A.weight"][500, 3] = float("nan")  # value 350,003: the second read, not its first slice
+    data = encode_delta(tensors)
+    with pytest.raises(Rejection) as found:
+        contents_check(io.BytesIO(data), size=len(data), sha256=hashlib.sha256(data).hexdigest(), adapter=adapter)
+    assert found.value.detail == "tensor 'big.lora_A.weight' holds NaN or infinite values"
+
+
+def test_checks_on_two_threads_at_once_each_read_into_their_own_buffers():
+    names = list(SHAPES)
+    value = _tensors()[names[4]].clone()
+    value[1, 1] = float("inf")
+    good, bad = encode_delta(_tensors()), encode_delta(_tensors(**{names[4]: value}))
+    want = _check(good, "f32", 64)  # the same reads (the sum's grouping follows them)
+    answers: dict[str, list] = {"good": [], "bad": []}
+
+    def check(kind: str, data: bytes) -> None:
+        for _ in range(20):
+            try:  # short reads, so the two threads take turns inside a check
+                answers[kind].append(_check(data, "f32", 64))
+            except Rejection as rejection:
+                answers[kind].append(rejection.code)
+
+    threads = [threading.Thread(target=check, args=args) for args in (("good", good), ("bad", bad))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == {"good": [want] * 20, "bad": ["not_finite"] * 20}
+
+
+def test_read_buffers_start_on_a_page():
+    buffer = page_aligned(CHUNK)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert address % mmap.PAGESIZE == 0 and len(buffer) == CHUNK
+    assert len(page_aligned(0)) == 1  # never empty: a view of it is a buffer

@@ -360,6 +360,31 @@ def test_a_delta_header_read_before_is_still_checked_against_each_rounds_spec(tm
         run("fedavg", [inputs[1], DeltaInput(write(tmp_path, "nan", tensors), 1)])
 
 
+def test_the_weighted_sum_is_the_same_bytes_added_in_whole_blocks_or_in_parts_and_a_bad_value_is_named(
+    tmp_path, monkeypatch
+):
+    # Blocks of 64 coordinates, parts of 16: one torch thread adds a block at once, more add it a part at a time.
+    monkeypatch.setattr(strategies_flat, "SUM_COLUMNS", 64)
+    monkeypatch.setattr(strategies_flat, "ADD_COLUMNS", 16)
+    inputs = make_inputs(tmp_path, 5, samples=[3, 1, 4, 1, 5])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = run("fedavg", inputs)
+        torch.set_num_threads(2)
+        parts = run("fedavg", inputs)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(whole[k], parts[k]) for k in SPEC)
+    assert_same(whole, weighted_reference(inputs, [3, 1, 4, 1, 5]))
+    # Values are checked on each block's sums; a NaN in a later block of a later delta is still named.
+    tensors = decoded(inputs[3].path)
+    tensors[f"{P}head.weight"][4, 9] = float("nan")  # the last coordinate: the last block
+    bad = DeltaInput(write(tmp_path, "late-nan", tensors), 1)
+    with pytest.raises(ValueError, match=rf"delta #3 .*'{P}head.weight' holds NaN or infinite values"):
+        run("fedavg", [*inputs[:3], bad, inputs[4]])
+
+
 RSS_SCRIPT = """
 import resource, sys
 from training.federation.strategies import DeltaInput, get_strategy

@@ -11,11 +11,13 @@ import hashlib
 import io
 import math
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
+import torch
 from safetensors import safe_open
 
 from edge_agent.delta import ENCODINGS, read_encoding
@@ -29,7 +31,7 @@ from training.registry.artifacts import (
     header_length,
     parse_header,
 )
-from training.registry.blobs import CHUNK
+from training.registry.blobs import CHUNK, page_aligned
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,26 @@ def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
     }
 
 
-# Values decoded at a time, into one float64 buffer reused for every slice of every read: 256 KiB, so it stays
-# in the CPU's cache between the decoding and the sum of squares (a new 2 MiB array per slice, as before, cost
-# more in page faults than the arithmetic: bench/README.md, "aggregation.py").
-DECODE_SLICE = 1 << 15
+# Values decoded at a time, widened into one float64 buffer per thread (512 KiB, so it stays in the CPU's cache
+# between the decoding and the sum of squares) reused for every slice of every read; the sum of squares one BLAS
+# dot product on torch's threads (one in a worker). numpy's einsum over the same slices took twice as long, and a
+# new array per slice, as before that, cost more in page faults than the arithmetic (bench/README.md,
+# "aggregation.py").
+DECODE_SLICE = 1 << 16
 _STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
+
+
+class _Buffers(threading.local):
+    """One read buffer and one float64 slice per thread, reused by every file it checks (new ones for each delta
+    are new pages to fault in, each time: glibc maps allocations this size afresh)."""
+
+    def __init__(self):
+        self.read = page_aligned(CHUNK)
+        self.wide = torch.empty(DECODE_SLICE, dtype=torch.float64)
+        self.wide_values = self.wide.numpy()  # the same memory, written by numpy
+
+
+_BUFFERS = _Buffers()
 
 
 class _ShortFile(Exception):
@@ -70,7 +87,7 @@ class _Stream:
         self.handle = handle
         self.digest = hashlib.sha256()
         self.size = 0
-        self.buffer = bytearray(CHUNK)
+        self.buffer = _BUFFERS.read  # this thread's: one check at a time
         self.into = True  # the handle fills the buffer (``readinto``); else each read is a new object
         self.pending = memoryview(b"")  # read and hashed, not yet taken
 
@@ -139,7 +156,7 @@ class _Values:
         self.done = 0  # int8: its bytes seen so far
         self.carry = b""  # the start of a value split between two reads
         self.squares = 0.0
-        self.wide = np.empty(DECODE_SLICE, dtype=np.float64)  # the slice being summed, decoded
+        self.wide, self.wide_values = _BUFFERS.wide, _BUFFERS.wide_values  # the slice being summed, decoded
         self.scaled = np.empty(DECODE_SLICE, dtype=np.float32) if self.scales else None  # int8 times its scale
 
     def feed(self, view: memoryview) -> None:
@@ -182,14 +199,15 @@ class _Values:
         scale = self.scales.get(name)
         for first in range(0, len(values), DECODE_SLICE):
             part = values[first : first + DECODE_SLICE]
-            wide = self.wide[: len(part)]
+            wide = self.wide_values[: len(part)]
             with np.errstate(all="ignore"):  # NaN and overflow are found below, not warned about
                 if scale is not None:  # in float32, as edge_agent.delta.decode_tensor, then widened
                     part = np.multiply(part, scale, out=self.scaled[: len(part)], dtype=np.float32)
                 np.copyto(wide, part)
-                # A sum of squares of float32 values in float64 is finite exactly when every value is. einsum:
-                # one thread (np.dot hands a slice this size to BLAS threads, which contend with other workers).
-                squares = float(np.einsum("i,i->", wide, wide))
+            # A sum of squares of float32 values in float64 is finite exactly when every value is (torch.dot: BLAS
+            # on torch's threads, one in a worker; numpy's np.dot would hand it to BLAS threads of its own).
+            tensor = self.wide[: len(part)]
+            squares = float(torch.dot(tensor, tensor))
             if not math.isfinite(squares):
                 bad = name or self._tensor_at(at + (first + int(np.flatnonzero(~np.isfinite(wide))[0])) * self.width)
                 raise Rejection("not_finite", f"tensor {bad!r} holds NaN or infinite values")
@@ -305,7 +323,7 @@ def contents_check(
     failed check as a ``Rejection``. The bytes are hashed and counted on the way; if they are not the ``size``
     bytes of ``sha256`` the signature covers, that is the answer (``hash_mismatch``, before any finding on the
     contents, which are then not the signed file's). Memory, whatever the file's size: the header (at most 1 MiB),
-    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (256 KiB)."""
+    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (512 KiB)."""
     stream = _Stream(handle)
     found: Rejection | None = None
     try:

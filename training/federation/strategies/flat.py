@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from edge_agent.delta import ENCODINGS, FORMAT, read_encoding
 from edge_agent.safetensors_header import loads_noting_repeats
 from training.registry.artifacts import PassedHeaders
+from training.registry.blobs import page_aligned
 
 from .base import DeltaInput, Shape, check_keys
 
@@ -227,9 +228,9 @@ class FlatDelta:
         finally:
             os.close(fd)
 
-    def read(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+    def read(self, start: int, stop: int, out: np.ndarray, *, check: bool = True) -> np.ndarray:
         with self.opened() as reader:
-            return reader.read(start, stop, out)
+            return reader.read(start, stop, out, check=check)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
@@ -245,9 +246,10 @@ class _OpenDelta:
     def __init__(self, delta: FlatDelta, fd: int):
         self.delta, self.fd = delta, fd
 
-    def read(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+    def read(self, start: int, stop: int, out: np.ndarray, *, check: bool = True) -> np.ndarray:
         """Coordinates ``start:stop`` decoded to float32 into ``out`` (float32, at least that long; zeros where
-        the delta has no tensor); ValueError naming the tensor when a value is NaN or infinite."""
+        the delta has no tensor); ValueError naming the tensor when a value is NaN or infinite (unless not
+        ``check``: the caller checks what it makes of the values, and reads again with the check if need be)."""
         target = out[: stop - start]
         covered = start
         for piece in self.delta.pieces:
@@ -272,7 +274,7 @@ class _OpenDelta:
             covered = last
         if covered < stop:
             target[covered - start :] = 0
-        if not np.isfinite(target).all():
+        if check and not np.isfinite(target).all():
             bad = start + int(np.flatnonzero(~np.isfinite(target))[0])
             raise ValueError(f"{self.delta.label}: {self.delta.order.key_at(bad)!r} holds NaN or infinite values")
         return target
@@ -298,7 +300,7 @@ READ_COLUMNS = 1 << 22
 def flat_norms(deltas: list[FlatDelta]) -> list[float]:
     """Each delta's L2 norm over all its coordinates, accumulated in float64."""
     total = deltas[0].order.total if deltas else 0
-    buffer = np.empty(min(READ_COLUMNS, max(1, total)), dtype=np.float32)
+    buffer = np.frombuffer(page_aligned(min(READ_COLUMNS, max(1, total)) * 4), dtype=np.float32)
     norms = []
     for delta in deltas:
         squares = 0.0
@@ -310,11 +312,12 @@ def flat_norms(deltas: list[FlatDelta]) -> list[float]:
     return norms
 
 
-# Coordinates summed per step of a weighted sum: a block of the float64 sums (256 KiB) stays in the CPU's cache
+# Coordinates summed per step of a weighted sum: a block of the float64 sums (1 MiB) stays in the CPU's cache
 # while every delta's values for it are added, where a whole-length sum would stream through memory once per
-# delta. No larger than torch's grain size (32,768), so each addition runs on the calling thread: with larger blocks,
-# two processes on two cores handing every block to torch's threads ran ten times slower (bench/README.md,
-# "aggregation.py").
+# delta. With more than one torch thread, each addition is cut to torch's grain size (32,768 values) so that it
+# runs on the calling thread: two processes on two cores handing every block to torch's threads ran ten times
+# slower (bench/README.md, "aggregation.py"). A worker runs one torch thread (WORKER_TORCH_THREADS), and adds a
+# block at once: the same arithmetic, element by element, so the same bytes.
 SUM_COLUMNS = 1 << 17
 ADD_COLUMNS = 1 << 15
 
@@ -322,18 +325,26 @@ ADD_COLUMNS = 1 << 15
 def flat_weighted_sum(deltas: list[FlatDelta], weights: list[float]) -> np.ndarray:
     """``sum_i weights[i] * delta_i`` over every coordinate, in float64, a block of coordinates at a time, the
     deltas in order within each (each element as ``base.weighted_sum`` computes it: the float32 value times its
-    weight, added in float64, delta by delta; so the same bytes whatever the block's size)."""
+    weight, added in float64, delta by delta; so the same bytes whatever the block's size). Values are checked
+    finite once per block, on the sums (finite values times finite weights add up to finite sums in float64);
+    a block that is not is read again, checked, to name the delta and tensor."""
     total = deltas[0].order.total if deltas else 0
     sums = torch.zeros(total, dtype=torch.float64)
-    buffer = np.empty(min(SUM_COLUMNS, max(1, total)), dtype=np.float32)
+    columns = min(SUM_COLUMNS, max(1, total))
+    buffer = np.frombuffer(page_aligned(columns * 4), dtype=np.float32)
     values = torch.from_numpy(buffer)
+    step = SUM_COLUMNS if torch.get_num_threads() == 1 else ADD_COLUMNS
     for start in range(0, total, SUM_COLUMNS):
         stop = min(total, start + SUM_COLUMNS)
         block = sums[start:stop]
         for delta, weight in zip(deltas, weights, strict=True):
-            delta.read(start, stop, buffer)
-            for at in range(0, stop - start, ADD_COLUMNS):  # each addition on this thread (see ADD_COLUMNS)
-                block[at : at + ADD_COLUMNS].add_(values[at : min(stop - start, at + ADD_COLUMNS)], alpha=weight)
+            delta.read(start, stop, buffer, check=False)
+            for at in range(0, stop - start, step):
+                block[at : at + step].add_(values[at : min(stop - start, at + step)], alpha=weight)
+        if not bool(torch.isfinite(block).all()):
+            for delta in deltas:
+                delta.read(start, stop, buffer)  # the first delta with a NaN or infinite value is named
+            raise ValueError("the weighted sum is not finite: a weight is not a finite number")
     return sums.numpy()
 
 
