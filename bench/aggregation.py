@@ -14,10 +14,11 @@ method starts after one untimed read of all of them): the figures are CPU and me
   ``get_strategy("fedavg").aggregate``. ``verify_fedavg_product`` runs the product's own
   ``_check_contents`` on the whole file instead (Django configured with unreachable services; no query).
 - ``verify_fedavg_2w``: 2 spawned processes (standing in for 2 Celery workers of a chord), each verifying
-  and computing the fedavg ``partial`` of half the shards (the product's: ``shard_size`` 64, the default, split
-  evenly by ``training.federation.strategies.shards``), the partials stored as safetensors files and
-  ``combine``d by the parent in shard order; ``..._balanced`` uses ``shard_size = ceil(N / 2)``: one shard
-  per worker.
+  and computing the fedavg ``partial`` of half the shards (the product's: ``shard_size`` 64, the default, and two
+  workers, cut by ``training.federation.strategies.shards``: one shard per worker up to 2,048 deltas), the
+  partials stored as safetensors files and ``combine``d by the parent in shard order; ``..._balanced`` uses
+  ``shard_size = ceil(N / 2)`` (the same cut since one shard per worker is the product's; kept to compare
+  with earlier tables).
 - ``median``, ``trimmed_mean`` (0.1), ``krum``, ``multi_krum``: ours, default params, no verification.
 - ``flower_*``: ``flwr.server.strategy.aggregate``'s functions on the same deltas loaded as lists of numpy
   arrays (loading included in the time and shown apart), checked against ours. A Flower method whose
@@ -55,7 +56,7 @@ METHODS = {
     "floor_2proc": "floor, 2 processes",
     "verify_fedavg": "ours: verification (streaming) + fedavg, 1 worker",
     "verify_fedavg_product": "ours: verification as in training/federation/verification.py + fedavg, 1 worker",
-    "verify_fedavg_2w": "ours: verification + fedavg, 2 workers (shard_size 64, even shards)",
+    "verify_fedavg_2w": "ours: verification + fedavg, 2 workers (shard_size 64, a shard per worker)",
     "verify_fedavg_2w_balanced": "ours: verification + fedavg, 2 workers (shard_size ⌈N/2⌉)",
     "median": "ours: median",
     "trimmed_mean": "ours: trimmed_mean (0.1)",

@@ -282,7 +282,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 def method_two(job, size, envelopes) -> dict:
     """Two spawned processes each take half the work (the floor: half the files; ours: the verification
     and fedavg ``partial`` of half the shards), then this process ``combine``s the partials in shard
-    order, loading them as ``training.federation.aggregation.combine_partials`` does. Timed from the start signal
+    order, mapping them as ``training.federation.aggregation.combine_partials`` does. Timed from the start signal
     (both workers already imported, like running Celery workers) to the combined result."""
     import multiprocessing
 
@@ -295,7 +295,7 @@ def method_two(job, size, envelopes) -> dict:
 
         shard_size = math.ceil(n / 2) if job["method"].endswith("balanced") else 64
         job = {**job, "params": {"shard_size": shard_size}}
-        layout_ = list(enumerate(shards(list(range(n)), shard_size)))
+        layout_ = list(enumerate(shards(list(range(n)), shard_size, 2)))
         half = math.ceil(len(layout_) / 2)
         parts = [layout_[:half], layout_[half:]]
     ready, results, go = context.Queue(), context.Queue(), context.Event()
@@ -309,13 +309,17 @@ def method_two(job, size, envelopes) -> dict:
     outs = [results.get(timeout=3600) for _ in workers]
     out: dict = {}
     if job["method"] != "floor_2proc":
-        from safetensors.torch import load as load_safetensors
+        from safetensors import safe_open
 
         from training.federation.strategies import get_strategy
 
+        def mapped(path: str) -> dict:  # as training.federation.aggregation.partial_sums: the file mapped
+            with safe_open(path, framework="pt") as handle:
+                return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+
         combined_start = time.perf_counter()
         partials = sorted(p for o in outs for p in o["partials"])
-        loaded = ((load_safetensors(Path(path).read_bytes()), float(weight)) for _, path, weight in partials)
+        loaded = ((mapped(path), float(weight)) for _, path, weight in partials)
         result = get_strategy("fedavg").combine(loaded, spec=spec_of(size), base=None, params=job["params"])
         out["combine_seconds"] = time.perf_counter() - combined_start
         save_result(size.label, job["method"], result)

@@ -217,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(parents=True)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        # Large rounds are cut into one shard of deltas per worker process: as many as this run starts.
+        env.setdefault("AGGREGATION_WORKERS", str(args.worker_concurrency))
 
         _say("applying migrations")
         _manage(env, "migrate", "--noinput")

@@ -7,6 +7,7 @@ with ``DEBUG`` on, or without ``ALLOWED_HOSTS``; ``manage.py check --deploy`` is
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -435,6 +436,11 @@ CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
 # Working memory of a robust aggregation rule's coordinate blocks (median, trimmed mean, Krum): blocks shrink
 # as a round's N grows, so a worker's memory stays within this whatever the round's size.
 AGGREGATION_MEMORY_BUDGET_MB = env_int("AGGREGATION_MEMORY_BUDGET_MB", 512, minimum=16)
+# The worker processes a large round of the mean family is split across, one shard of deltas each (all workers'
+# processes together: containers x concurrency). Default: WORKER_CONCURRENCY, as `make run` starts one worker.
+AGGREGATION_WORKERS = env_int(
+    "AGGREGATION_WORKERS", env_int("WORKER_CONCURRENCY", min(os.cpu_count() or 1, 2), minimum=1), minimum=1
+)
 ROUND_AGGREGATION_RESCUE_SECONDS = env_int("ROUND_AGGREGATION_RESCUE_SECONDS", 300, minimum=10)
 CELERY_BEAT_SCHEDULE["requeue-stalled-rounds"] = {
     "task": "training.tasks.requeue_stalled_rounds",

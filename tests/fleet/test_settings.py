@@ -40,6 +40,7 @@ def manage(*args: str, **overrides: str | None) -> subprocess.CompletedProcess:
         ({"DATABASE_URL": None}, "DATABASE_URL is not set"),
         ({"REDIS_URL": "http://localhost:6379"}, "REDIS_URL must be a redis://"),
         ({"CHANNEL_LAYER_CAPACITY": "lots"}, "CHANNEL_LAYER_CAPACITY='lots' is not a whole number"),
+        ({"AGGREGATION_WORKERS": "0"}, "AGGREGATION_WORKERS=0 is below the minimum of 1"),
         ({"FLEET_ENV": "staging"}, "FLEET_ENV='staging' is not one of: development, production"),
         ({"BLOB_STORAGE": "s3"}, "BLOB_STORAGE=s3 needs S3_BUCKET"),
         ({"SECRET_KEY_FILE": "/nonexistent/secret"}, "SECRET_KEY_FILE='/nonexistent/secret' cannot be read"),

@@ -163,18 +163,22 @@ def test_a_real_worker_aggregates_a_full_round_into_the_fedavg_of_its_deltas(tra
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_worker_process):
+def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_worker_process, settings):
     from training.federation.aggregation import round_aggregate
 
     adapter, version, devices = trained
     adapter_set_aggregation(
         adapter=adapter, actor=None, aggregation={"buffer_size": 5, "min_deltas": 1, "shard_size": 2}
     )
+    # Opened here, with three aggregation workers: fixed in the round's params, so every process cuts alike.
+    settings.AGGREGATION_WORKERS = 3
+    round_open(adapter=adapter)
     for i in range(5):
         receive(devices[i], adapter, make_delta_tensors(adapter, seed=40 + i), counter=1, samples=3 + i)
     sharded = wait_for(lambda: AdapterVersion.objects.filter(round__isnull=False).first())
     round_ = Round.objects.get()
-    assert round_.stats["shards"] == 4  # 5 deltas at 2: an even count of shards, 1 + 1 + 1 + 2
+    assert round_.params["workers"] == 3
+    assert round_.stats["shards"] == 3  # 5 deltas over 2: one shard per worker, 1 + 2 + 2
     # The same round, aggregated again on one worker (this process), gives the very same bytes.
     Round.objects.filter(pk=round_.pk).update(state=Round.State.AGGREGATING)
     AdapterVersion.objects.filter(pk=sharded.pk).update(round=None)

@@ -58,26 +58,49 @@ def test_fedavg_sharded_is_bit_identical_to_one_shard_and_to_a_chord(tmp_path):
         sharded = run("fedavg", inputs, {"shard_size": size})
         assert all(torch.equal(sharded[k], whole[k]) for k in SPEC)
     # a chord: shards computed separately (here in reverse), combined in shard order
-    params = {"shard_size": 3}
-    parts = [strategy.partial(s, spec=SPEC, base={}, params=params) for s in reversed(shards(inputs, 3))][::-1]
-    assert [w for _, w in parts] == [1, 4 + 7, 10 + 13, 16 + 19]  # an even count of shards of at most 3, even
+    params = {"shard_size": 3, "workers": 4}
+    parts = [strategy.partial(s, spec=SPEC, base={}, params=params) for s in reversed(shards(inputs, 3, 4))][::-1]
+    assert [w for _, w in parts] == [1, 4 + 7, 10 + 13, 16 + 19]  # one shard per worker, as even as can be
     assert all(v.dtype == torch.float64 for sums, _ in parts for v in sums.values())
     chord = strategy.combine(parts, spec=SPEC, base={}, params=params)
     direct = run("fedavg", inputs, params)
     assert all(torch.equal(chord[k], direct[k]) for k in SPEC)
 
 
-def test_shards_are_few_even_in_count_and_as_even_as_they_can_be():
-    assert [len(s) for s in shards(list(range(100)), 64)] == [50, 50]  # not 64 + 36: one of two workers idle
-    assert [len(s) for s in shards(list(range(1000)), 64)] == [62, 63] * 8
-    assert [len(s) for s in shards(list(range(300)), 64)] == [50] * 6  # an even count: not 5 of 60, 3 + 2
-    assert [len(s) for s in shards(list(range(7)), 3)] == [1, 2, 2, 2]
-    assert [len(s) for s in shards(list(range(3)), 1)] == [1, 1, 1]  # never more shards than inputs
-    assert shards(list(range(5)), 64) == [[0, 1, 2, 3, 4]]
+def test_combine_refuses_a_partial_with_a_nan_or_an_infinity_and_not_one_whose_finite_values_overflow_a_sum(
+    tmp_path,
+):
+    from training.federation.strategies.mean import _all_finite
+
+    huge = torch.tensor([1e308, 1e308, -5.0], dtype=torch.float64)  # finite values, their sum is not
+    assert _all_finite(huge) and _all_finite(torch.zeros(0, dtype=torch.float64))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert not _all_finite(torch.tensor([1.0, bad, 2.0], dtype=torch.float64))
+    assert not _all_finite(torch.tensor([float("inf"), float("-inf")], dtype=torch.float64))
+    strategy = get_strategy("fedavg")
+    parts = [strategy.partial(s, spec=SPEC, base={}, params={}) for s in shards(make_inputs(tmp_path, 4), 1)]
+    parts[1][0][f"{P}head.bias"][3] = float("nan")
+    with pytest.raises(ValueError, match=rf"partial #1: '{P}head.bias' holds NaN or infinite values"):
+        strategy.combine(parts, spec=SPEC, base={}, params={})
+
+
+def test_shards_are_one_per_worker_and_as_even_as_they_can_be():
+    assert [len(s) for s in shards(list(range(100)), 64)] == [50, 50]  # two workers (the default): not 64 + 36
+    assert [len(s) for s in shards(list(range(300)), 64)] == [150, 150]  # not 6 x 50: fewer partials to add
+    assert [len(s) for s in shards(list(range(1000)), 64)] == [500, 500]
+    assert [len(s) for s in shards(list(range(300)), 64, 3)] == [100, 100, 100]
+    assert [len(s) for s in shards(list(range(3000)), 64)] == [750] * 4  # past 1,024 a shard: a multiple of two
+    assert [len(s) for s in shards(list(range(5000)), 64, 3)] == [833, 833, 834, 833, 833, 834]
+    assert [len(s) for s in shards(list(range(7)), 3, 4)] == [1, 2, 2, 2]
+    assert [len(s) for s in shards(list(range(3)), 1, 8)] == [1, 1, 1]  # never more shards than inputs
+    assert shards(list(range(5)), 64) == [[0, 1, 2, 3, 4]]  # shard_size or fewer: one shard, one worker
+    assert shards(list(range(5)), 4, 1) == [[0, 1, 2, 3, 4]]  # one worker: one shard
     assert shards([], 64) == []
-    assert sum(shards(list(range(130)), 7), []) == list(range(130))  # consecutive, every input once
+    assert sum(shards(list(range(130)), 7, 5), []) == list(range(130))  # consecutive, every input once
     with pytest.raises(ValueError, match="shard_size must be a whole number >= 1"):
         shards([1, 2], 0)
+    with pytest.raises(ValueError, match="workers must be a whole number >= 1"):
+        shards([1, 2], 1, 0)
 
 
 def test_fedbuff_discounts_stale_deltas(tmp_path):

@@ -2,9 +2,10 @@
 
 ``round_aggregate`` is idempotent: it acts only on a round that is ``aggregating`` and has no version yet,
 and the version row is unique per round, so a task run again after a worker was killed (``acks_late``)
-either finishes the job or finds it done. Large rounds of a shardable strategy are split into shards of
-``shard_size`` deltas whose partial sums are computed by separate tasks (a Celery chord) and combined in
-shard order; one worker computes the very same shards in the same order, so the result is identical.
+either finishes the job or finds it done. Rounds of more than ``shard_size`` deltas of a shardable strategy are
+split into one shard per aggregation worker (``AGGREGATION_WORKERS``; ``strategies.shards``) whose partial sums
+are computed by separate tasks (a Celery chord) and combined in shard order; one worker computes the very same
+shards in the same order, so the result is identical.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
+from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -97,10 +99,11 @@ def _base_tensors(round_: Round) -> dict[str, torch.Tensor]:
 def shards_of(round_: Round, deltas: list[Delta]) -> list[list[int]] | None:
     """Delta ids per shard when the round is worth splitting across workers, else None."""
     strategy = get_strategy(round_.strategy)
-    size = int(round_.params.get("shard_size", 64))
-    if not strategy.shardable or len(deltas) <= size:
+    if not strategy.shardable:
         return None
-    return shards([delta.pk for delta in deltas], size)
+    params = strategy.check_params(round_.params)  # the round's own workers, fixed when it opened (2 before)
+    cut = shards([delta.pk for delta in deltas], params["shard_size"], params["workers"])
+    return cut if len(cut) > 1 else None
 
 
 def spans_of(round_: Round, deltas: list[Delta]) -> list[tuple[int, int]] | None:
@@ -229,6 +232,13 @@ def shard_partial(*, round_id: int, delta_ids: list[int]) -> dict:
     return {"sha256": blob.sha256, "weight": weight}
 
 
+def partial_sums(sha256: str) -> dict[str, torch.Tensor]:
+    """A shard's stored float64 sums, mapped from the blob's file rather than read into one bytes object and
+    copied again into tensors (two copies of 80 MB per shard of a 10M adapter; bench/README.md, "aggregation.py")."""
+    with blob_local_path(sha256) as path, safe_open(path, framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (a handle, not a dict)
+
+
 def combine_partials(*, round_id: int, partials: list[dict], seed: int | None = None) -> AdapterVersion | None:
     round_ = _round(round_id)
     if round_ is None:
@@ -239,9 +249,9 @@ def combine_partials(*, round_id: int, partials: list[dict], seed: int | None = 
         params["dp"] = {**params["dp"], "seed": seed if seed is not None else secrets.randbits(62)}
     base = _base_tensors(round_)
     started = time.monotonic()
-    # One partial loaded at a time (combine takes any iterable, in order): memory is the sum and one float64
-    # partial, where a list held every shard's at once (16 shards of a 10M adapter: 1.3 GB).
-    loaded = ((load_safetensors(blob_read(p["sha256"])), float(p["weight"])) for p in partials)
+    # One partial at a time (combine takes any iterable, in order): memory is the sum and one float64 partial,
+    # where a list held every shard's at once (16 shards of a 10M adapter: 1.3 GB).
+    loaded = ((partial_sums(p["sha256"]), float(p["weight"])) for p in partials)
     delta = strategy.combine(loaded, spec=round_.adapter.tensor_spec, base=base, params=params)
     return _finish(round_, base, delta, round_deltas(round_), started, shards=len(partials))
 

@@ -20,7 +20,7 @@ AGGREGATION_DEFAULTS: dict[str, Any] = {
     "byzantine": None,
     "multi_k": None,
     "mixing": None,  # null: the strategy's own (MIXING_DEFAULTS); "nnm": nearest-neighbour mixing first; "none": off
-    "shard_size": 64,  # deltas per Celery shard for shardable strategies
+    "shard_size": 64,  # rounds of more deltas are split across the aggregation workers (shardable strategies)
     "coordinate_shards": 4,  # robust rules over more than shard_size deltas: coordinate spans, one Celery task each
     "auto_rounds": True,  # open a round when a delta is accepted and none is collecting
     "ffa": False,  # FFA-LoRA: deltas carry only lora_B (and saved modules)

@@ -68,6 +68,9 @@ def _check_dp_budget(adapter: Adapter, buffer_size: int) -> None:
 def _params(adapter: Adapter) -> dict:
     settings_ = aggregation_settings(adapter)
     params = {name: settings_[name] for name in STRATEGY_PARAMS if settings_[name] is not None}
+    # The workers its deltas are split across if it grows past shard_size, fixed now: a chord and one worker
+    # aggregating the round again cut the same shards, whichever process's settings they run with.
+    params["workers"] = settings.AGGREGATION_WORKERS
     dp = dp_settings(adapter)
     if dp["enabled"]:
         params["dp"] = {"clip": dp["clip"], "noise_multiplier": dp["noise_multiplier"]}

@@ -3,10 +3,11 @@ no database.
 
 ``get_strategy(name).aggregate(inputs, spec=..., base=..., params=...)`` returns the aggregated delta
 (float32, every key of ``spec``) to add to ``base``. Shardable strategies also offer ``partial`` and
-``combine``; their ``aggregate`` is ``combine`` over ``partial`` of consecutive shards of ``shard_size``.
+``combine``; their ``aggregate`` is ``combine`` over ``partial`` of consecutive shards (``shards``: over
+``shard_size`` inputs, one per worker of ``workers``).
 
 Params every strategy accepts (ignoring those it does not use; unknown names are refused):
-``shard_size`` (64), ``chunk_elements`` (1 << 20), ``clip_norm`` (None), ``trim_ratio`` (0.1),
+``shard_size`` (64), ``workers`` (2), ``chunk_elements`` (1 << 20), ``clip_norm`` (None), ``trim_ratio`` (0.1),
 ``byzantine`` (None: the largest Krum allows), ``multi_k`` (None: N - f), ``mixing`` (None, or ``"nnm"``:
 nearest-neighbour mixing before the robust strategies, see ``robust.py``); and ``dp`` for fedavg, fedbuff
 and ffa_lora only (see ``dp.py``).

@@ -91,17 +91,26 @@ def check_spec(spec) -> dict[str, Shape]:
     return shapes
 
 
-def shards(inputs: list[DeltaInput], size: int) -> list[list[DeltaInput]]:
-    """Consecutive shards of at most ``size`` inputs, as even as they can be (sizes differing by one at most): the
-    unit of one partial sum. As few as that allows, rounded up to an even count when there are several, so that
-    two workers (``WORKER_CONCURRENCY``'s default), or any even number, finish together: 100 inputs at 64 are 50
-    + 50, not 64 + 36, and 300 are 6 shards of 50, not 5 of 60 (3 + 2 on two workers)."""
+# The most deltas one shard holds: a task's work, and what a killed worker's retry redoes, stays bounded.
+MAX_SHARD = 1024
+
+
+def shards(inputs: list[DeltaInput], size: int, workers: int = 2) -> list[list[DeltaInput]]:
+    """The units of one partial sum each: consecutive shards, as even as they can be (sizes differing by one at
+    most). ``size`` inputs or fewer are one shard; more are split across ``workers`` (the aggregation workers,
+    ``AGGREGATION_WORKERS``): one shard each, or a multiple of that when a shard would pass MAX_SHARD, so the
+    workers finish together and each writes as few float64 partials as it can (each one is 8 bytes per
+    parameter to write, read and add: with shards of 64, 300 deltas of 10M parameters on two workers ran at
+    1.67x one worker's speed, with one shard per worker 1.88x; bench/README.md, "aggregation.py"). Never more
+    shards than inputs."""
     if not _is_int(size) or size < 1:
         raise ValueError(f"shard_size must be a whole number >= 1, not {size!r}")
-    count = -(-len(inputs) // size)
-    if count > 1 and count % 2:
-        count = min(count + 1, len(inputs))
-    bounds = [len(inputs) * i // count for i in range(count + 1)] if count else [0]
+    if not _is_int(workers) or workers < 1:
+        raise ValueError(f"workers must be a whole number >= 1, not {workers!r}")
+    if not inputs:
+        return []
+    count = 1 if len(inputs) <= size else min(len(inputs), workers * -(-len(inputs) // (workers * MAX_SHARD)))
+    bounds = [len(inputs) * i // count for i in range(count + 1)]
     return [list(inputs[start:stop]) for start, stop in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -263,6 +272,9 @@ def _whole(minimum):
 # name: (default, check, what the check wants)
 PARAMS: dict[str, tuple] = {
     "shard_size": (64, _whole(1), "a whole number >= 1"),
+    # The workers a round of more than shard_size deltas is split across (the server passes its
+    # AGGREGATION_WORKERS): one shard each, so a chord and one worker's aggregate cut the same shards.
+    "workers": (2, _whole(1), "a whole number >= 1"),
     "chunk_elements": (1 << 20, _whole(1), "a whole number >= 1"),
     # Working memory of the robust rules' coordinate blocks, in bytes (the server passes its
     # AGGREGATION_MEMORY_BUDGET_MB); blocks shrink as N grows, so memory stays flat in N.
