@@ -30,6 +30,7 @@ from tests.training.strategy_support import (
     write,
 )
 from training.federation.strategies import STRATEGIES, DeltaInput, get_strategy, shards
+from training.federation.strategies.mean import _all_finite
 
 
 def test_registry_names_every_strategy_and_refuses_unknown_ones():
@@ -70,8 +71,6 @@ def test_fedavg_sharded_is_bit_identical_to_one_shard_and_to_a_chord(tmp_path):
 def test_combine_refuses_a_partial_with_a_nan_or_an_infinity_and_not_one_whose_finite_values_overflow_a_sum(
     tmp_path,
 ):
-    from training.federation.strategies.mean import _all_finite
-
     huge = torch.tensor([1e308, 1e308, -5.0], dtype=torch.float64)  # finite values, their sum is not
     assert _all_finite(huge) and _all_finite(torch.zeros(0, dtype=torch.float64))
     for bad in (float("nan"), float("inf"), float("-inf")):

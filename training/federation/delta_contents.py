@@ -69,6 +69,7 @@ class _Buffers(threading.local):
         self.read = page_aligned(CHUNK)
         self.wide = torch.empty(DECODE_SLICE, dtype=torch.float64)
         self.wide_values = self.wide.numpy()  # the same memory, written by numpy
+        self.scaled = np.empty(DECODE_SLICE, dtype=np.float32)  # int8 values times their scale
 
 
 _BUFFERS = _Buffers()
@@ -157,7 +158,7 @@ class _Values:
         self.carry = b""  # the start of a value split between two reads
         self.squares = 0.0
         self.wide, self.wide_values = _BUFFERS.wide, _BUFFERS.wide_values  # the slice being summed, decoded
-        self.scaled = np.empty(DECODE_SLICE, dtype=np.float32) if self.scales else None  # int8 times its scale
+        self.scaled = _BUFFERS.scaled  # int8 values times their scale
 
     def feed(self, view: memoryview) -> None:
         if self.by_read:

@@ -300,14 +300,18 @@ READ_COLUMNS = 1 << 22
 def flat_norms(deltas: list[FlatDelta]) -> list[float]:
     """Each delta's L2 norm over all its coordinates, accumulated in float64."""
     total = deltas[0].order.total if deltas else 0
-    buffer = np.frombuffer(page_aligned(min(READ_COLUMNS, max(1, total)) * 4), dtype=np.float32)
+    columns = min(READ_COLUMNS, max(1, total))
+    buffer = np.frombuffer(page_aligned(columns * 4), dtype=np.float32)
+    widened = np.empty(columns, dtype=np.float64)  # one buffer for every read, not a new 32 MiB array each
     norms = []
     for delta in deltas:
         squares = 0.0
         with delta.opened() as reader:
             for start in range(0, total, READ_COLUMNS):
-                wide = reader.read(start, min(total, start + READ_COLUMNS), buffer).astype(np.float64)
-                squares += float(np.dot(wide, wide))  # one widened copy, not one per operand
+                values = reader.read(start, min(total, start + READ_COLUMNS), buffer)
+                wide = widened[: len(values)]
+                np.copyto(wide, values)
+                squares += float(np.dot(wide, wide))
         norms.append(math.sqrt(squares))
     return norms
 
