@@ -43,5 +43,5 @@ def test_the_benchmarks_deltas_pass_the_servers_checks_with_the_norm_their_value
         assert envelope["num_samples"] == data.num_samples(index)
         norm = methods.verify_product(str(path), sidecar, adapter)
         values = np.concatenate([v.ravel().astype(np.float64) for v in load_file(str(path)).values()])
-        assert norm == pytest.approx(math.sqrt(float(values @ values)), rel=1e-9)
+        assert norm == pytest.approx(math.sqrt(float(values @ values)), rel=1e-6)  # float32's precision
     methods.floor_pass([str(p) for p in size.paths()], [json.loads(p.read_text()) for p in size.sidecars()])

@@ -2,18 +2,25 @@
 while read, the header against the adapter's spec (and the safetensors library's own check), then every value
 decoded, checked finite and added to the L2 norm. Memory is bounded whatever the file's size. Run by
 verification (``training.federation.verification``) after the checks on the device and its counter.
+
+The norm is float32's: each slice's sum of squares is one float32 BLAS dot product, the slices added in float64
+(within 1e-4 of the exact norm, relative, when every value is alike, the worst case; about 1e-7 for values
+spread as updates are). It is compared with a bound and scales a clip; DP recomputes its own in float64. A
+slice whose float32 sum is not finite is summed again in float64, so a finite value whose square is past
+float32's range is a large norm, not a bad value.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import io
 import math
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import numpy as np
@@ -52,24 +59,23 @@ def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
     }
 
 
-# Values decoded at a time, widened into one float64 buffer per thread (512 KiB, so it stays in the CPU's cache
-# between the decoding and the sum of squares) reused for every slice of every read; the sum of squares one BLAS
-# dot product on torch's threads (one in a worker). numpy's einsum over the same slices took twice as long, and a
-# new array per slice, as before that, cost more in page faults than the arithmetic (bench/README.md,
-# "aggregation.py").
+# Values summed at a time: the sum of squares of a slice is one float32 BLAS dot product on torch's threads (one
+# in a worker), on the stored values where they are aligned float32 (f32, most of the time), else on the slice
+# decoded into one float32 buffer per thread. Widening every slice to float64 first took twice as long as the
+# product itself, and numpy's einsum twice as long again (bench/README.md, "aggregation.py").
 DECODE_SLICE = 1 << 16
 _STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
 
 
 class _Buffers(threading.local):
-    """One read buffer and one float64 slice per thread, reused by every file it checks (new ones for each delta
-    are new pages to fault in, each time: glibc maps allocations this size afresh)."""
+    """One read buffer, one float32 slice and one float64 slice per thread, reused by every file it checks (new
+    ones for each delta are new pages to fault in, each time: glibc maps allocations this size afresh)."""
 
     def __init__(self):
         self.read = page_aligned(CHUNK)
-        self.wide = torch.empty(DECODE_SLICE, dtype=torch.float64)
+        self.narrow = np.empty(DECODE_SLICE, dtype=np.float32)  # a slice decoded (f16, int8 times its scale)
+        self.wide = torch.empty(DECODE_SLICE, dtype=torch.float64)  # a slice summed again in float64
         self.wide_values = self.wide.numpy()  # the same memory, written by numpy
-        self.scaled = np.empty(DECODE_SLICE, dtype=np.float32)  # int8 values times their scale
 
 
 _BUFFERS = _Buffers()
@@ -157,8 +163,8 @@ class _Values:
         self.done = 0  # int8: its bytes seen so far
         self.carry = b""  # the start of a value split between two reads
         self.squares = 0.0
-        self.wide, self.wide_values = _BUFFERS.wide, _BUFFERS.wide_values  # the slice being summed, decoded
-        self.scaled = _BUFFERS.scaled  # int8 values times their scale
+        self.narrow = _BUFFERS.narrow  # a slice decoded to float32
+        self.wide, self.wide_values = _BUFFERS.wide, _BUFFERS.wide_values  # a slice summed again in float64
 
     def feed(self, view: memoryview) -> None:
         if self.by_read:
@@ -200,19 +206,32 @@ class _Values:
         scale = self.scales.get(name)
         for first in range(0, len(values), DECODE_SLICE):
             part = values[first : first + DECODE_SLICE]
-            wide = self.wide_values[: len(part)]
-            with np.errstate(all="ignore"):  # NaN and overflow are found below, not warned about
-                if scale is not None:  # in float32, as edge_agent.delta.decode_tensor, then widened
-                    part = np.multiply(part, scale, out=self.scaled[: len(part)], dtype=np.float32)
-                np.copyto(wide, part)
-            # A sum of squares of float32 values in float64 is finite exactly when every value is (torch.dot: BLAS
-            # on torch's threads, one in a worker; numpy's np.dot would hand it to BLAS threads of its own).
-            tensor = self.wide[: len(part)]
+            if scale is not None or part.dtype != np.float32 or not (part.flags.aligned and part.flags.writeable):
+                narrow = self.narrow[: len(part)]
+                with np.errstate(all="ignore"):  # an int8 value times its scale past float32's range: below
+                    if scale is not None:  # in float32, as edge_agent.delta.decode_tensor
+                        np.multiply(part, scale, out=narrow, dtype=np.float32)
+                    else:
+                        np.copyto(narrow, part)
+                part = narrow
+            tensor = torch.from_numpy(part)
             squares = float(torch.dot(tensor, tensor))
             if not math.isfinite(squares):
-                bad = name or self._tensor_at(at + (first + int(np.flatnonzero(~np.isfinite(wide))[0])) * self.width)
-                raise Rejection("not_finite", f"tensor {bad!r} holds NaN or infinite values")
+                squares = self._wide_squares(name, part, at + first * self.width)
             self.squares += squares
+
+    def _wide_squares(self, name: str | None, part: np.ndarray, at: int) -> float:
+        """The sum of squares of ``part`` (float32 values, the first ``at`` bytes into the data section) in
+        float64, where float32's was not finite: finite exactly when every value is (a float32 value's square is
+        exact in float64), else the tensor holding the first bad value is named."""
+        wide = self.wide_values[: len(part)]
+        np.copyto(wide, part)
+        tensor = self.wide[: len(part)]
+        squares = float(torch.dot(tensor, tensor))
+        if not math.isfinite(squares):
+            bad = name or self._tensor_at(at + int(np.flatnonzero(~np.isfinite(wide))[0]) * self.width)
+            raise Rejection("not_finite", f"tensor {bad!r} holds NaN or infinite values")
+        return squares
 
     def _tensor_at(self, offset: int) -> str:
         return self.layout[bisect.bisect_right(self.starts, offset) - 1][0]
@@ -246,15 +265,32 @@ def _library_check(path: str | None, head: bytes, size: int) -> None:
         raise Rejection("malformed", f"safetensors could not read the file: {_library_message(exc)}") from None
 
 
+# Adapters a kept header was seen to match, remembered with it: the last few.
+MATCHED_SPECS = 4
+
+
 @dataclass(frozen=True)
 class _Header:
     """What a header that passed every check independent of the adapter says: its tensors, encoding, int8
-    scales and where each tensor's bytes lie."""
+    scales and where each tensor's bytes lie; and copies of the adapters' specs and aggregation settings it was
+    seen to match (``matches``): the same header against an equal spec passes again without comparing it tensor
+    by tensor (one comparison of two dicts, in C, where the check takes 1.5 µs a tensor in Python: a tenth of a
+    LoRA delta's time outside hashing, bench/README.md, "aggregation.py")."""
 
     header: dict[str, dict]
     encoding: str
     scales: dict[str, float]
     layout: list[tuple[str, int, int]]
+    matched: list[tuple[dict, dict | None]] = field(default_factory=list, compare=False)
+
+    def matches(self, adapter: Adapter) -> bool:
+        return any(
+            spec == adapter.tensor_spec and aggregation == adapter.aggregation for spec, aggregation in self.matched
+        )
+
+    def remember(self, adapter: Adapter) -> None:
+        seen = (copy.deepcopy(adapter.tensor_spec), copy.deepcopy(adapter.aggregation))
+        self.matched[:] = [*self.matched[-(MATCHED_SPECS - 1) :], seen]
 
 
 # Headers seen to pass every check independent of the adapter (most of the time a LoRA delta of many small
@@ -265,7 +301,8 @@ _PASSED: PassedHeaders[_Header] = PassedHeaders()
 def _check_header(head: bytes, header_size: int, size: int, adapter: Adapter, path: str | None) -> _Header:
     """The header's checks in the documented order: the header itself (limits, JSON, no key twice, entries,
     offsets), the encoding, the adapter's spec, the int8 scales, the library's own header check, the layout.
-    A header seen to pass before (``_PASSED``) runs only the checks that depend on the adapter."""
+    A header seen to pass before (``_PASSED``) runs only the checks that depend on the adapter, and the spec's
+    only against an adapter it has not matched (``_Header.matches``: an equal spec and equal settings)."""
     facts = _PASSED.get((head, size))
     if facts is None:
         try:
@@ -278,10 +315,12 @@ def _check_header(head: bytes, header_size: int, size: int, adapter: Adapter, pa
             raise Rejection("malformed", str(exc)) from None
     else:
         header, encoding, scales = facts.header, facts.encoding, facts.scales
-    try:
-        check_spec(header, delta_spec(adapter, encoding))
-    except ArtifactRejected as exc:
-        raise Rejection("spec_mismatch", str(exc)) from None
+    matched = facts is not None and facts.matches(adapter)
+    if not matched:
+        try:
+            check_spec(header, delta_spec(adapter, encoding))
+        except ArtifactRejected as exc:
+            raise Rejection("spec_mismatch", str(exc)) from None
     if encoding == "int8" and set(scales) != set(header):
         raise Rejection("malformed", "an int8 delta needs one scale per tensor")
     if facts is None:
@@ -293,6 +332,8 @@ def _check_header(head: bytes, header_size: int, size: int, adapter: Adapter, pa
         facts = _Header(header, encoding, scales, layout)
         if not scales:  # an int8 header holds its delta's own scales
             _PASSED.keep((head, size), facts)
+    if not matched and not scales:
+        facts.remember(adapter)
     return facts
 
 
@@ -324,7 +365,7 @@ def contents_check(
     failed check as a ``Rejection``. The bytes are hashed and counted on the way; if they are not the ``size``
     bytes of ``sha256`` the signature covers, that is the answer (``hash_mismatch``, before any finding on the
     contents, which are then not the signed file's). Memory, whatever the file's size: the header (at most 1 MiB),
-    a read or two (1 MiB each) and one DECODE_SLICE of decoded values (512 KiB)."""
+    a read or two (1 MiB each) and a DECODE_SLICE of values decoded (256 KiB) and widened (512 KiB)."""
     stream = _Stream(handle)
     found: Rejection | None = None
     try:

@@ -316,13 +316,15 @@ def flat_norms(deltas: list[FlatDelta]) -> list[float]:
     return norms
 
 
-# Coordinates summed per step of a weighted sum: a block of the float64 sums (1 MiB) stays in the CPU's cache
+# Coordinates summed per step of a weighted sum: a block of the float64 sums (2 MiB) stays in the CPU's cache
 # while every delta's values for it are added, where a whole-length sum would stream through memory once per
-# delta. With more than one torch thread, each addition is cut to torch's grain size (32,768 values) so that it
-# runs on the calling thread: two processes on two cores handing every block to torch's threads ran ten times
-# slower (bench/README.md, "aggregation.py"). A worker runs one torch thread (WORKER_TORCH_THREADS), and adds a
-# block at once: the same arithmetic, element by element, so the same bytes.
-SUM_COLUMNS = 1 << 17
+# delta (blocks of 262,144 added 100 deltas of 1M 10% faster than blocks of 131,072 or 524,288: fewer reads,
+# each still within the last-level cache). With more than one torch thread, each addition is cut to torch's
+# grain size (32,768 values) so that it runs on the calling thread: two processes on two cores handing every
+# block to torch's threads ran ten times slower (bench/README.md, "aggregation.py"). A worker runs one torch
+# thread (WORKER_TORCH_THREADS), and adds a block at once: the same arithmetic, element by element, so the
+# same bytes.
+SUM_COLUMNS = 1 << 18
 ADD_COLUMNS = 1 << 15
 
 
