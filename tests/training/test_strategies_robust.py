@@ -98,6 +98,22 @@ def test_median_in_many_chunks_equals_the_reference(tmp_path, monkeypatch, n, so
         assert torch.equal(got[key], want), key
 
 
+@pytest.mark.parametrize("name", ["median", "trimmed_mean"])
+def test_blocks_laid_side_by_side_in_small_parts_give_the_same_bytes(tmp_path, monkeypatch, name):
+    # Parts of 64 coordinates (the least), several to a block of 150 and one short part at each block's end;
+    # tiles of 3 deltas by 16 coordinates, several to a part: the same values as whole blocks laid out at once.
+    inputs = make_inputs(tmp_path, 9)
+    whole = run(name, inputs, {"chunk_elements": 1 << 20})
+    monkeypatch.setattr(strategies_robust, "SIDE_BY_SIDE_BYTES", 1)
+    monkeypatch.setattr(strategies_robust, "TILE_ROWS", 3)
+    monkeypatch.setattr(strategies_robust, "TILE_COLUMNS", 16)
+    assert strategies_robust.side_by_side(9) == 64
+    parts = run(name, inputs, {"chunk_elements": 150})
+    assert whole.keys() == parts.keys()
+    for key in whole:
+        assert torch.equal(whole[key], parts[key]), key
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.1, 0.2, 0.45])
 def test_trimmed_mean_in_many_chunks_equals_sorted_trimming(tmp_path, monkeypatch, ratio):
     inputs = make_inputs(tmp_path, 10, encoding="int8")
@@ -319,4 +335,5 @@ def test_blocks_leave_room_in_the_memory_budget_for_the_result(name, n, total):
     for per_value in (strategy.BLOCK_BYTES, strategy.MIXING_BLOCK_BYTES):
         columns = strategy.columns(n, params, per_value, total)
         used = columns * n * per_value + strategy.RESULT_BYTES * total + strategy.RESERVE_BYTES
+        used += 4 * n * strategies_robust.side_by_side(n)  # the part of a block laid side by side
         assert budget - n * per_value < used <= budget  # as large as fits, and no larger

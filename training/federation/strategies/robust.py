@@ -4,10 +4,10 @@ All four read the deltas in blocks of coordinates (``strategies.flat``: the roun
 ``pread`` per delta and block): a block holds as many coordinates as ``memory_budget`` allows for N deltas once
 the result's own memory (O(model)) is set aside (at most ``chunk_elements``), so the rule's memory stays within
 the budget whatever N is, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
-``min(1, C / norm)``. Each coordinate's N values are laid side by side (a tiled transposition) and sorted in
-place, numpy's vectorized sort being faster on rows this short than a selection (which the median of an odd N
-above ``Median.SORT_UP_TO`` uses); Krum's Gram matrix is float32 matrix products of short blocks, added up in
-float64.
+``min(1, C / norm)``. Each coordinate's N values are laid side by side (a tiled transposition, a cache-sized
+part of a block at a time) and sorted in place, numpy's vectorized sort being faster on rows this short than a
+selection (which the median of an odd N above ``Median.SORT_UP_TO`` uses); Krum's Gram matrix is float32 matrix
+products of short blocks, added up in float64.
 
 They are unweighted on purpose: ``num_samples`` is reported by the device itself, so weighting by it would
 let one attacker claiming a huge sample count outweigh everyone and void the breakdown point these rules
@@ -55,10 +55,11 @@ def gather(deltas: list[FlatDelta], start: int, stop: int, factors: list[float],
     return block
 
 
-# Tiles of a transposition: at most 100 deltas (split evenly) by 4,096 coordinates, read and written while both
+# Tiles of a transposition: at most 20 deltas (split evenly) by 1,024 coordinates, read and written while both
 # stay in the CPU's cache. One strided copy of a whole block took three times as long at N = 1,000, and a third
-# of median's time at 100 x 1M (bench/README.md, "aggregation.py").
-TILE_ROWS, TILE_COLUMNS = 100, 4096
+# of median's time at 100 x 1M; tiles of 20 rows took 15% less time than tiles of 100 at N = 100 and N = 1,000
+# (bench/README.md, "aggregation.py").
+TILE_ROWS, TILE_COLUMNS = 20, 1024
 
 
 def transpose_into(out: torch.Tensor, values: torch.Tensor) -> None:
@@ -70,6 +71,17 @@ def transpose_into(out: torch.Tensor, values: torch.Tensor) -> None:
             out[column : column + TILE_COLUMNS, row : row + tall].copy_(
                 values[row : row + tall, column : column + TILE_COLUMNS].T
             )
+
+
+# Bytes of one part of a block laid side by side (``side_by_side``): small enough to stay in the CPU's cache
+# between its transposition and its sort, where a whole block laid side by side went out to memory and was read
+# back for the sort (median at 100 x 1M: 1.6 s to 0.8 s; bench/README.md, "aggregation.py").
+SIDE_BY_SIDE_BYTES = 2 << 20
+
+
+def side_by_side(n: int) -> int:
+    """Coordinates of N deltas laid side by side and reduced at a time (at least 64)."""
+    return max(64, SIDE_BY_SIDE_BYTES // (4 * max(1, n)))
 
 
 def squared_distances(gram: torch.Tensor) -> torch.Tensor:
@@ -111,8 +123,11 @@ class RobustStrategy(Strategy):
     the same order, so both give the same bytes."""
 
     shardable_by_coordinates = True
-    # Bytes per delta and coordinate a block needs: the gathered float32 block and its transposed copy (the
-    # coordinate rules), a block's float64 copy and product (mixing).
+    # Bytes per delta and coordinate a block is sized at: the gathered float32 block takes 4 (its parts laid side
+    # by side take one small buffer, ``side_by_side``), and blocks half the size the budget holds ran 1.4x to
+    # 1.8x faster than blocks of all of it (median at 1,000 x 1M and 100 x 10M: the transposition's strided
+    # reads span half as many pages), so a block is sized at 8, as when it was laid side by side whole; with
+    # mixing, also the block's float64 copy, its product and that product in float32.
     BLOCK_BYTES = 8
     MIXING_BLOCK_BYTES = 24
 
@@ -134,10 +149,14 @@ class RobustStrategy(Strategy):
     RESULT_BYTES = 8
     RESERVE_BYTES = 8 << 20
 
+    def set_aside(self, n: int, total: int) -> int:
+        """Bytes of the budget that are not the block's: the result, the reserve, the side-by-side buffer."""
+        return self.RESULT_BYTES * total + self.RESERVE_BYTES + 4 * n * side_by_side(n)
+
     def columns(self, n: int, params: dict, bytes_per_value: int, total: int = 0) -> int:
         """Coordinates per block: what the memory budget holds for N deltas once the result of an adapter of
-        ``total`` coordinates is set aside, at most ``chunk_elements``."""
-        budget = max(0, params["memory_budget"] - self.RESULT_BYTES * total - self.RESERVE_BYTES)
+        ``total`` coordinates and the buffers are set aside (``set_aside``), at most ``chunk_elements``."""
+        budget = max(0, params["memory_budget"] - self.set_aside(n, total))
         return max(1, min(params["chunk_elements"], block_columns(n, budget, bytes_per_value)))
 
     def blocks(self, deltas, factors, span: tuple[int, int], columns: int):
@@ -204,19 +223,24 @@ class CoordinateStrategy(RobustStrategy):
         raise NotImplementedError
 
     def span_values(self, deltas, factors, params, span, mixing=None) -> torch.Tensor:
-        """The rule's result over one span: float32 [span length]."""
+        """The rule's result over one span: float32 [span length]. Each block is laid side by side and reduced a
+        few columns at a time (``side_by_side``), so each part is sorted while the CPU's cache still holds it."""
         n = len(deltas)
         total = deltas[0].order.total if deltas else 0
         columns = self.columns(n, params, self.MIXING_BLOCK_BYTES if mixing is not None else self.BLOCK_BYTES, total)
         result = torch.empty(span[1] - span[0], dtype=torch.float32)
-        rows = torch.empty(max(1, min(columns, span[1] - span[0])), n, dtype=torch.float32)
+        step = side_by_side(n)
+        rows = torch.empty(max(1, min(step, columns, span[1] - span[0])), n, dtype=torch.float32)
         for start, stop, block in self.blocks(deltas, factors, span, columns):
             values = torch.from_numpy(block)
             if mixing is not None:
                 values = (mixing @ values.to(torch.float64)).to(torch.float32)
-            transposed = rows[: stop - start]
-            transpose_into(transposed, values)  # into a reused buffer: each coordinate's N values side by side
-            result[start - span[0] : stop - span[0]] = torch.from_numpy(self.reduce(transposed.numpy(), params))
+            for first in range(0, stop - start, step):
+                last = min(stop - start, first + step)
+                transposed = rows[: last - first]
+                transpose_into(transposed, values[:, first:last])  # each coordinate's N values side by side
+                at = start - span[0]
+                result[at + first : at + last] = torch.from_numpy(self.reduce(transposed.numpy(), params))
         return result
 
     def span_partial(self, inputs, *, spec, params, span, gram=None) -> torch.Tensor:
