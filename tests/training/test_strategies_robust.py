@@ -336,4 +336,20 @@ def test_blocks_leave_room_in_the_memory_budget_for_the_result(name, n, total):
         columns = strategy.columns(n, params, per_value, total)
         used = columns * n * per_value + strategy.RESULT_BYTES * total + strategy.RESERVE_BYTES
         used += 4 * n * strategies_robust.side_by_side(n)  # the part of a block laid side by side
-        assert budget - n * per_value < used <= budget  # as large as fits, and no larger
+        assert used <= budget
+        # WORKING_BYTES whatever N is (memory flat in N), or as large as the budget holds where that is less
+        room = min(strategy.WORKING_BYTES, budget - (used - columns * n * per_value))
+        assert room - n * per_value < columns * n * per_value <= room
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean"])
+def test_blocks_hold_the_same_bytes_whatever_n_is_and_a_small_budget_binds(name):
+    strategy = get_strategy(name)
+    params = strategy.check_params({"chunk_elements": 1 << 30})
+    held = [strategy.columns(n, params, strategy.BLOCK_BYTES, 1 << 20) * n * strategy.BLOCK_BYTES for n in (100, 1000)]
+    assert held[0] == pytest.approx(held[1], rel=1e-3)
+    assert held[0] == pytest.approx(strategy.WORKING_BYTES, rel=1e-3)
+    small = strategy.check_params({"chunk_elements": 1 << 30, "memory_budget": 64 << 20})
+    columns = strategy.columns(1000, small, strategy.BLOCK_BYTES, 1 << 20)
+    assert columns * 1000 * strategy.BLOCK_BYTES < (64 << 20) - strategy.set_aside(1000, 1 << 20) + 1
+    assert columns * 1000 * strategy.BLOCK_BYTES < strategy.WORKING_BYTES // 2

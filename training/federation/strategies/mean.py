@@ -105,9 +105,10 @@ class MeanStrategy(Strategy):
                     raise ValueError(f"partial #{index}: {key!r} is not a tensor of shape {list(shapes[key])}")
                 if not finite_checked and not _all_finite(value):
                     raise ValueError(f"partial #{index}: {key!r} holds NaN or infinite values")
-                if key not in total:
-                    total[key] = torch.zeros(shapes[key], dtype=torch.float64)
-                total[key].add_(value.to(torch.float64))
+                if key not in total:  # 0.0 + the first partial, as a zeroed total plus it was: the same bytes
+                    total[key] = value.to(torch.float64) + 0.0  # (-0.0 too), one pass where zeroing took two
+                else:
+                    total[key].add_(value.to(torch.float64))
             weight += float(part_weight)
         if not count:
             raise ValueError("combine needs at least one partial sum")
@@ -115,7 +116,7 @@ class MeanStrategy(Strategy):
             add_gaussian_noise(total, list(total), dp)  # the released keys: those some delta carries
         out = {}
         for key, shape in shapes.items():
-            out[key] = (total[key] / weight).to(torch.float32) if key in total else torch.zeros(shape)
+            out[key] = total[key].div_(weight).to(torch.float32) if key in total else torch.zeros(shape)
         return out
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """Robust aggregation: coordinate-wise trimmed mean and median, Krum and Multi-Krum.
 
 All four read the deltas in blocks of coordinates (``strategies.flat``: the round's coordinate order, one
-``pread`` per delta and block): a block holds as many coordinates as ``memory_budget`` allows for N deltas once
-the result's own memory (O(model)) is set aside (at most ``chunk_elements``), so the rule's memory stays within
-the budget whatever N is, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
+``pread`` per delta and block): a block holds the same bytes whatever N is (``WORKING_BYTES``: fewer
+coordinates for more deltas), or as many coordinates as ``memory_budget`` allows for N deltas once the result's
+own memory (O(model)) is set aside where that is less (at most ``chunk_elements``), so the rule's memory is flat
+in N and within the budget, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
 ``min(1, C / norm)``. Each coordinate's N values are laid side by side (a tiled transposition, a cache-sized
 part of a block at a time) and sorted in place, numpy's vectorized sort being faster on rows this short than a
 selection (which the median of an odd N above ``Median.SORT_UP_TO`` uses); Krum's Gram matrix is float32 matrix
@@ -87,8 +88,9 @@ def side_by_side(n: int) -> int:
 def squared_distances(gram: torch.Tensor) -> torch.Tensor:
     """Pairwise squared L2 distances from a Gram matrix (float64, zero diagonal)."""
     squares = gram.diagonal().clone()
-    distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_min_(0)
-    return distances.fill_diagonal_(0)
+    distances = squares[:, None] + squares[None, :]  # the one N x N matrix made here; the rest in place
+    distances.sub_(gram, alpha=2)  # 2 * gram is exact in float64: the same values as a - 2 * g
+    return distances.clamp_min_(0).fill_diagonal_(0)
 
 
 def byzantine_count(given: int | None, n: int, spare: int = 3) -> int:
@@ -130,6 +132,11 @@ class RobustStrategy(Strategy):
     # mixing, also the block's float64 copy, its product and that product in float32.
     BLOCK_BYTES = 8
     MIXING_BLOCK_BYTES = 24
+    # A block's bytes at those rates whatever N is (within the budget): memory above start is then the same at
+    # N = 100 and 1,000 (a block of a 1M adapter's span held 100 MiB at N = 100 and 247 at N = 1,000, where the
+    # budget bound it). Blocks of 64 MiB gathered values ran as fast as blocks of 128 and 247 at 1,000 x 1M,
+    # blocks of 16 and 32 MiB 10% to 25% slower (bench/README.md, "aggregation.py").
+    WORKING_BYTES = 128 << 20
 
     def prepare(self, inputs, spec, params):
         params = self.check_params(params)
@@ -154,33 +161,47 @@ class RobustStrategy(Strategy):
         return self.RESULT_BYTES * total + self.RESERVE_BYTES + 4 * n * side_by_side(n)
 
     def columns(self, n: int, params: dict, bytes_per_value: int, total: int = 0) -> int:
-        """Coordinates per block: what the memory budget holds for N deltas once the result of an adapter of
-        ``total`` coordinates and the buffers are set aside (``set_aside``), at most ``chunk_elements``."""
-        budget = max(0, params["memory_budget"] - self.set_aside(n, total))
+        """Coordinates per block: ``WORKING_BYTES`` for N deltas, or less where the memory budget holds less once
+        the result of an adapter of ``total`` coordinates and the buffers are set aside (``set_aside``); at most
+        ``chunk_elements``."""
+        budget = max(0, min(self.WORKING_BYTES, params["memory_budget"] - self.set_aside(n, total)))
         return max(1, min(params["chunk_elements"], block_columns(n, budget, bytes_per_value)))
 
-    def blocks(self, deltas, factors, span: tuple[int, int], columns: int):
-        """``(start, stop, block)`` over the span's coordinates: block is float32 [N, stop - start], reused."""
+    def blocks(self, deltas, factors, span: tuple[int, int], columns: int, out: np.ndarray | None = None):
+        """``(start, stop, block)`` over the span's coordinates: block is float32 [N, stop - start], gathered
+        into ``out`` (float32 [N, at least ``columns``]; made for the span if not given) block after block."""
         first, last = span
-        out = np.empty((len(deltas), max(1, min(columns, last - first))), dtype=np.float32)
+        if out is None:
+            out = np.empty((len(deltas), max(1, min(columns, last - first))), dtype=np.float32)
         for start in range(first, last, columns):
             stop = min(last, start + columns)
             yield start, stop, gather(deltas, start, stop, factors, out)
 
-    def span_gram(self, deltas, factors, params, span) -> torch.Tensor:
+    @staticmethod
+    def gram_columns(n: int, params: dict) -> int:
+        """Coordinates per Gram block (``GRAM_BLOCK_BYTES``)."""
+        return max(1, min(params["chunk_elements"], GRAM_COLUMNS, max(GRAM_MIN_COLUMNS, GRAM_BLOCK_BYTES // (8 * n))))
+
+    @staticmethod
+    def gram_buffers(n: int, columns: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A Gram block's gathered values and its product: made once and used for every span, where arrays
+        made span by span left the process larger (RSS 89 against 74 MiB at N = 1,000 after four spans)."""
+        return np.empty((n, columns), dtype=np.float32), torch.empty(n, n, dtype=torch.float32)
+
+    def span_gram(self, deltas, factors, params, span, buffers=None) -> torch.Tensor:
         """The clipped deltas' Gram matrix over one span, of the deltas less their mean (what pairwise distances
         need, and all they are used for): float32 products of short blocks, added up in float64 (O(N^2))."""
         n = len(deltas)
+        columns = self.gram_columns(n, params)
+        out, product = buffers if buffers is not None else self.gram_buffers(n, columns)
         gram = torch.zeros(n, n, dtype=torch.float64)
-        columns = max(
-            1, min(params["chunk_elements"], GRAM_COLUMNS, max(GRAM_MIN_COLUMNS, GRAM_BLOCK_BYTES // (8 * n)))
-        )
-        for _, _, block in self.blocks(deltas, factors, span, columns):
+        for _, _, block in self.blocks(deltas, factors, span, columns, out):
             values = torch.from_numpy(block)
-            # Centred on the block's mean: distances do not change, and float32 products of what is left lose
-            # far less to cancellation than products of deltas that share a large common part.
-            values = values - values.mean(dim=0, keepdim=True)
-            gram.add_(values @ values.T)
+            # Centred on the block's mean, in place (the next block is gathered into the same array): distances
+            # do not change, and float32 products of what is left lose far less to cancellation than products
+            # of deltas that share a large common part.
+            values.sub_(values.mean(dim=0, keepdim=True))
+            gram.add_(torch.mm(values, values.T, out=product))
         return gram
 
     def gram_partial(self, inputs, *, spec, params, span) -> torch.Tensor:
@@ -199,7 +220,8 @@ class RobustStrategy(Strategy):
         return total
 
     def gram(self, deltas, factors, params, spans) -> torch.Tensor:
-        return self.combine_grams(self.span_gram(deltas, factors, params, span) for span in spans)
+        buffers = self.gram_buffers(len(deltas), self.gram_columns(len(deltas), params))
+        return self.combine_grams(self.span_gram(deltas, factors, params, span, buffers) for span in spans)
 
     def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor:
         """The nearest-neighbour mixing matrix for ``mixing: "nnm"`` (f from ``byzantine``)."""
@@ -209,9 +231,10 @@ class RobustStrategy(Strategy):
         return self.check_params(params)["mixing"] == "nnm"
 
 
-# A Gram block (the gathered float32 block and its centred copy) holds about GRAM_BLOCK_BYTES whatever N is,
-# so memory stays flat in N; its columns stay between GRAM_MIN_COLUMNS (for the matrix product to run at full
-# speed) and GRAM_COLUMNS (for float32 dot products to stay accurate: they are added up in float64).
+# A Gram block has GRAM_BLOCK_BYTES / (8 N) columns whatever N is (the gathered float32 block, centred in
+# place, holds half of that), so memory stays flat in N; its columns stay between GRAM_MIN_COLUMNS (for the
+# matrix product to run at full speed) and GRAM_COLUMNS (for float32 dot products to stay accurate: they are
+# added up in float64).
 GRAM_BLOCK_BYTES = 16 << 20
 GRAM_MIN_COLUMNS = 512
 GRAM_COLUMNS = 1 << 15
