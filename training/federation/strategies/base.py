@@ -276,8 +276,8 @@ PARAMS: dict[str, tuple] = {
     # AGGREGATION_WORKERS): one shard each, so a chord and one worker's aggregate cut the same shards.
     "workers": (2, _whole(1), "a whole number >= 1"),
     "chunk_elements": (1 << 20, _whole(1), "a whole number >= 1"),
-    # Working memory of the robust rules' coordinate blocks, in bytes (the server passes its
-    # AGGREGATION_MEMORY_BUDGET_MB); blocks shrink as N grows, so memory stays flat in N.
+    # Ceiling on the robust rules' memory, in bytes (the server passes its AGGREGATION_MEMORY_BUDGET_MB): a
+    # block holds robust.RobustStrategy.WORKING_BYTES whatever N is, or less where this leaves less room.
     "memory_budget": (512 << 20, _whole(1 << 20), "a whole number of bytes >= 1 MiB"),
     # The robust rules' coordinate spans: the tasks of a chord across workers, and the order one worker adds
     # their Gram matrices in (so both give the same bytes).

@@ -258,11 +258,11 @@ class CoordinateStrategy(RobustStrategy):
             values = torch.from_numpy(block)
             if mixing is not None:
                 values = (mixing @ values.to(torch.float64)).to(torch.float32)
+            at = start - span[0]
             for first in range(0, stop - start, step):
                 last = min(stop - start, first + step)
                 transposed = rows[: last - first]
                 transpose_into(transposed, values[:, first:last])  # each coordinate's N values side by side
-                at = start - span[0]
                 result[at + first : at + last] = torch.from_numpy(self.reduce(transposed.numpy(), params))
         return result
 
