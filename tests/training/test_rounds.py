@@ -68,6 +68,20 @@ def revoke_delayed_tasks() -> None:
         app.control.revoke(ids)
 
 
+def fleet_state() -> str:
+    """The rounds and deltas as the database holds them, and the end of the session worker's log: what a wait
+    that timed out reports."""
+    from fleet.pytest_plugin import RUN_ID
+    from tests.conftest import ROOT
+
+    rounds = list(Round.objects.order_by("pk").values("pk", "state", "close_reason", "buffer_size", "failure"))
+    fields = ("pk", "state", "round_id", "rejection_code", "rejection_detail", "verify_attempts")
+    deltas = list(Delta.objects.order_by("pk").values(*fields))
+    log = ROOT / "tests" / "artifacts" / f"celery-test-{RUN_ID}.log"
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else "(no worker log)"
+    return f"rounds: {rounds}\ndeltas: {deltas}\nthe worker's log, last lines:\n{tail}"
+
+
 def wait_for(check, timeout: float = 180.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -75,7 +89,7 @@ def wait_for(check, timeout: float = 180.0):
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError("timed out")
+    raise AssertionError(f"timed out after {timeout:.0f} s\n{fleet_state()}")
 
 
 @pytest.mark.django_db(transaction=True)
