@@ -133,6 +133,11 @@ def _test_database_url() -> str:
     return urlunsplit(parts._replace(path="/" + connection.settings_dict["NAME"]))
 
 
+def worker_log(name: str) -> Path:
+    """Where the worker ``start_worker(name=...)`` of this run writes its log."""
+    return ROOT / "tests" / "artifacts" / f"celery-{name}-{RUN_ID}.log"
+
+
 def start_worker(*, name: str, blob_root: Path, **env_overrides: str) -> tuple[subprocess.Popen, Path]:
     """Start a real ``celery worker`` on the test database; returns once it answers a ping."""
     env = dict(os.environ)
@@ -140,7 +145,7 @@ def start_worker(*, name: str, blob_root: Path, **env_overrides: str) -> tuple[s
     env["DATABASE_CONN_MAX_AGE"] = "0"
     env["BLOB_ROOT"] = str(blob_root)
     env.update(env_overrides)
-    log_path = ROOT / "tests" / "artifacts" / f"celery-{name}-{RUN_ID}.log"
+    log_path = worker_log(name)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(

@@ -12,6 +12,7 @@ from django.db import connection
 from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import encode_delta, sign_delta
+from tests.conftest import worker_log
 from training import dispatch
 from training.federation.intake import upload_append, upload_begin
 from training.federation.rounds import round_close, round_open, stalled_rounds
@@ -71,13 +72,10 @@ def revoke_delayed_tasks() -> None:
 def fleet_state() -> str:
     """The rounds and deltas as the database holds them, and the end of the session worker's log: what a wait
     that timed out reports."""
-    from fleet.pytest_plugin import RUN_ID
-    from tests.conftest import ROOT
-
     rounds = list(Round.objects.order_by("pk").values("pk", "state", "close_reason", "buffer_size", "failure"))
     fields = ("pk", "state", "round_id", "rejection_code", "rejection_detail", "verify_attempts")
     deltas = list(Delta.objects.order_by("pk").values(*fields))
-    log = ROOT / "tests" / "artifacts" / f"celery-test-{RUN_ID}.log"
+    log = worker_log("test")  # the session worker's (``celery_worker_process``)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else "(no worker log)"
     return f"rounds: {rounds}\ndeltas: {deltas}\nthe worker's log, last lines:\n{tail}"
 
