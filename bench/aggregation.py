@@ -210,7 +210,11 @@ def notes(method: str, row: dict) -> str:
         parts.append(f"load {row['load_seconds']:.2f} s")
     if "combine_seconds" in row:
         shards = " + ".join(str(sum(p)) for p in row["shards_per_worker"])
-        took = " / ".join(f"{w['seconds']:.2f}" for w in row["workers"])
+        took = " / ".join(
+            f"{w['seconds']:.2f}"
+            + (f" (verify {w['verify_seconds']:.2f}, sum {w['partial_seconds']:.2f})" if "verify_seconds" in w else "")
+            for w in row["workers"]
+        )
         parts.append(f"deltas per worker {shards} took {took} s, combine {row['combine_seconds']:.2f} s")
     if method == "floor_2proc":
         parts.append("workers took " + " / ".join(f"{w['seconds']:.2f}" for w in row["workers"]) + " s")

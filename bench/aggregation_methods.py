@@ -258,12 +258,17 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
+        out["verify_seconds"] = 0.0
         for shard_index, members in part:
             inputs = []
+            verifying = time.perf_counter()
             for i in members:
                 norm = verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
                 inputs.append(DeltaInput(paths[i], num_samples(i), 0, norm))
+            out["verify_seconds"] += time.perf_counter() - verifying
+            summing = time.perf_counter()
             sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
+            out["partial_seconds"] = out.get("partial_seconds", 0.0) + time.perf_counter() - summing
             # as training.federation.aggregation.shard_partial: the float64 sums stored as a safetensors blob
             blob = TMP / size.label / f"partial-{shard_index:04d}.safetensors"
             blob.parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +282,10 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
         count=len(part),
     )
     results.put(out)
+
+
+# What each stand-in worker reports: its wall and CPU time, memory, shards, and (ours) its verification and sum.
+WORKER_FIGURES = ("seconds", "cpu_seconds", "rss_start", "rss_peak", "count", "verify_seconds", "partial_seconds")
 
 
 def method_two(job, size, envelopes) -> dict:
@@ -331,7 +340,7 @@ def method_two(job, size, envelopes) -> dict:
     out.update(
         seconds=time.perf_counter() - start,
         cpu_seconds=cpu_seconds() - cpu + sum(o["cpu_seconds"] for o in outs),
-        workers=[{k: o[k] for k in ("seconds", "cpu_seconds", "rss_start", "rss_peak", "count")} for o in outs],
+        workers=[{k: o[k] for k in WORKER_FIGURES if k in o} for o in outs],
     )
     for worker in workers:  # after the clock: Celery workers stay up, a process exiting is not the chord's cost
         worker.join()

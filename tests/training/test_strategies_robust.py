@@ -353,3 +353,55 @@ def test_blocks_hold_the_same_bytes_whatever_n_is_and_a_small_budget_binds(name)
     columns = strategy.columns(1000, small, strategy.BLOCK_BYTES, 1 << 20)
     assert columns * 1000 * strategy.BLOCK_BYTES < (64 << 20) - strategy.set_aside(1000, 1 << 20) + 1
     assert columns * 1000 * strategy.BLOCK_BYTES < strategy.WORKING_BYTES // 2
+
+
+def test_a_gram_pass_holds_the_same_bytes_whatever_n_is_and_a_small_budget_binds():
+    """Krum's working memory: the gathered block plus the N x N matrices (GRAM_SQUARE_BYTES per pair) is
+    GRAM_WORKING_BYTES at N = 100 and N = 1,000 (fewer columns for more deltas), within the column bounds, and
+    less where a small memory budget holds less."""
+    krum = get_strategy("krum")
+    params = krum.check_params({"chunk_elements": 1 << 30})
+
+    def held(n, given):
+        return krum.gram_columns(n, given) * n * 4 + strategies_robust.GRAM_SQUARE_BYTES * n * n
+
+    working = strategies_robust.GRAM_WORKING_BYTES
+    for n in (100, 1000):
+        columns = krum.gram_columns(n, params)
+        assert strategies_robust.GRAM_MIN_COLUMNS <= columns <= strategies_robust.GRAM_COLUMNS
+        assert working - 4 * n < held(n, params) <= working
+    small = krum.check_params({"chunk_elements": 1 << 30, "memory_budget": 8 << 20})
+    assert held(100, small) <= 8 << 20
+    # past the N whose matrices alone fill the working bytes, the columns stop at the floor (the N x N grows)
+    assert krum.gram_columns(2000, params) == strategies_robust.GRAM_MIN_COLUMNS
+    assert krum.gram_columns(100, krum.check_params({"chunk_elements": 700})) == 700
+
+
+def test_one_worker_s_gram_matrix_is_the_spans_parts_combined_bit_for_bit(tmp_path):
+    """``gram`` (one worker, the spans' sums made in one reused matrix, products added through a float64 panel)
+    gives the bytes the chord gives: each span's ``span_gram`` on its own, ``combine_grams`` in span order; and
+    the panel's sums are the float32 products added whole in float64."""
+    inputs = make_inputs(tmp_path, 70, seed=9)  # 70 rows: a whole panel of 64 and a part
+    krum = get_strategy("krum")
+    params, order, _, deltas, factors = krum.prepare(inputs, SPEC, {"chunk_elements": 7})
+    spans = strategies_robust.coordinate_spans(order.total, 3)
+    combined = krum.combine_grams(krum.span_gram(deltas, factors, params, span) for span in spans)
+    assert torch.equal(krum.gram(deltas, factors, params, spans), combined)
+    plain = torch.zeros(70, 70, dtype=torch.float64)
+    for _, _, block in krum.blocks(deltas, factors, spans[0], 7):
+        values = torch.from_numpy(block.copy())
+        values.sub_(values.mean(dim=0, keepdim=True))
+        plain += (values @ values.T).to(torch.float64)
+    assert torch.equal(krum.span_gram(deltas, factors, params, spans[0]), plain)
+
+
+def test_distances_written_over_the_gram_matrix_are_the_same_values():
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(40, 300, generator=gen, dtype=torch.float64)
+    gram = rows @ rows.T
+    fresh = strategies_robust.squared_distances(gram)
+    kept = gram.clone()
+    over = strategies_robust.squared_distances(gram, in_place=True)
+    assert over.data_ptr() == gram.data_ptr() and torch.equal(over, fresh)
+    assert torch.equal(strategies_robust.squared_distances(kept), fresh)  # not in place: the matrix is kept
+    assert torch.allclose(fresh, torch.cdist(rows, rows) ** 2, rtol=1e-9, atol=1e-9)

@@ -85,11 +85,18 @@ def side_by_side(n: int) -> int:
     return max(64, SIDE_BY_SIDE_BYTES // (4 * max(1, n)))
 
 
-def squared_distances(gram: torch.Tensor) -> torch.Tensor:
-    """Pairwise squared L2 distances from a Gram matrix (float64, zero diagonal)."""
+def squared_distances(gram: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """Pairwise squared L2 distances from a Gram matrix (float64, zero diagonal). ``in_place``: written over
+    ``gram`` row by row (no second N x N matrix; the caller has no further use for the Gram matrix), the same
+    values: each row is ``(a_i + a_j) - 2 g_ij`` either way (2 g is exact in float64)."""
     squares = gram.diagonal().clone()
-    distances = squares[:, None] + squares[None, :]  # the one N x N matrix made here; the rest in place
-    distances.sub_(gram, alpha=2)  # 2 * gram is exact in float64: the same values as a - 2 * g
+    if in_place:
+        for i in range(gram.shape[0]):
+            gram[i].mul_(-2).add_(squares[i] + squares)
+        distances = gram
+    else:
+        distances = squares[:, None] + squares[None, :]  # the one N x N matrix made here; the rest in place
+        distances.sub_(gram, alpha=2)
     return distances.clamp_min_(0).fill_diagonal_(0)
 
 
@@ -179,29 +186,40 @@ class RobustStrategy(Strategy):
 
     @staticmethod
     def gram_columns(n: int, params: dict) -> int:
-        """Coordinates per Gram block (``GRAM_BLOCK_BYTES``)."""
-        return max(1, min(params["chunk_elements"], GRAM_COLUMNS, max(GRAM_MIN_COLUMNS, GRAM_BLOCK_BYTES // (8 * n))))
+        """Coordinates per Gram block: what ``GRAM_WORKING_BYTES`` (or the memory budget, if less) holds of N
+        deltas' float32 values once the N x N matrices are set aside (``GRAM_SQUARE_BYTES`` per pair), between
+        ``GRAM_MIN_COLUMNS`` and ``GRAM_COLUMNS``; at most ``chunk_elements``."""
+        working = min(GRAM_WORKING_BYTES, params["memory_budget"]) - GRAM_SQUARE_BYTES * n * n
+        columns = min(GRAM_COLUMNS, max(GRAM_MIN_COLUMNS, working // (4 * n)))
+        return max(1, min(params["chunk_elements"], columns))
 
     @staticmethod
-    def gram_buffers(n: int, columns: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A Gram block's gathered values and its product: made once and used for every span, where arrays
-        made span by span left the process larger (RSS 89 against 74 MiB at N = 1,000 after four spans)."""
-        return np.empty((n, columns), dtype=np.float32), torch.empty(n, n, dtype=torch.float32)
+    def gram_buffers(n: int, columns: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """A Gram block's gathered values, its product and the float64 rows the product is added through
+        (``GRAM_PANEL_ROWS``): made once and used for every span, where arrays made span by span left the
+        process larger (RSS 89 against 74 MiB at N = 1,000 after four spans)."""
+        panel = torch.empty(min(n, GRAM_PANEL_ROWS), n, dtype=torch.float64)
+        return np.empty((n, columns), dtype=np.float32), torch.empty(n, n, dtype=torch.float32), panel
 
-    def span_gram(self, deltas, factors, params, span, buffers=None) -> torch.Tensor:
+    def span_gram(self, deltas, factors, params, span, buffers=None, into=None) -> torch.Tensor:
         """The clipped deltas' Gram matrix over one span, of the deltas less their mean (what pairwise distances
-        need, and all they are used for): float32 products of short blocks, added up in float64 (O(N^2))."""
+        need, and all they are used for): float32 products of short blocks, added up in float64 (O(N^2)),
+        from zero, in ``into`` (float64 N x N, zeroed first) if given, else in a new matrix."""
         n = len(deltas)
         columns = self.gram_columns(n, params)
-        out, product = buffers if buffers is not None else self.gram_buffers(n, columns)
-        gram = torch.zeros(n, n, dtype=torch.float64)
+        out, product, panel = buffers if buffers is not None else self.gram_buffers(n, columns)
+        gram = torch.zeros(n, n, dtype=torch.float64) if into is None else into.zero_()
         for _, _, block in self.blocks(deltas, factors, span, columns, out):
             values = torch.from_numpy(block)
             # Centred on the block's mean, in place (the next block is gathered into the same array): distances
             # do not change, and float32 products of what is left lose far less to cancellation than products
             # of deltas that share a large common part.
             values.sub_(values.mean(dim=0, keepdim=True))
-            gram.add_(torch.mm(values, values.T, out=product))
+            torch.mm(values, values.T, out=product)
+            for row in range(0, n, len(panel)):  # float32 into float64 through a small panel: the same sums,
+                rows = min(len(panel), n - row)  # where adding the float32 product whole made an N x N
+                wide = panel[:rows].copy_(product[row : row + rows])  # float64 copy at every block
+                gram[row : row + rows].add_(wide)
         return gram
 
     def gram_partial(self, inputs, *, spec, params, span) -> torch.Tensor:
@@ -220,8 +238,20 @@ class RobustStrategy(Strategy):
         return total
 
     def gram(self, deltas, factors, params, spans) -> torch.Tensor:
+        """The Gram matrix over every span, one worker: ``combine_grams`` of the spans' parts (the same
+        arithmetic: the first span's part is the total, each next one, made in one reused matrix, added to it
+        in span order), so a chord's tasks and one worker give the same bytes."""
         buffers = self.gram_buffers(len(deltas), self.gram_columns(len(deltas), params))
-        return self.combine_grams(self.span_gram(deltas, factors, params, span, buffers) for span in spans)
+        total, scratch = None, None
+        for span in spans:
+            if total is None:
+                total = self.span_gram(deltas, factors, params, span, buffers)
+            else:
+                scratch = self.span_gram(deltas, factors, params, span, buffers, into=scratch)
+                total.add_(scratch)
+        if total is None:
+            raise ValueError("no Gram matrix to combine")
+        return total
 
     def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor:
         """The nearest-neighbour mixing matrix for ``mixing: "nnm"`` (f from ``byzantine``)."""
@@ -231,13 +261,24 @@ class RobustStrategy(Strategy):
         return self.check_params(params)["mixing"] == "nnm"
 
 
-# A Gram block has GRAM_BLOCK_BYTES / (8 N) columns whatever N is (the gathered float32 block, centred in
-# place, holds half of that), so memory stays flat in N; its columns stay between GRAM_MIN_COLUMNS (for the
-# matrix product to run at full speed) and GRAM_COLUMNS (for float32 dot products to stay accurate: they are
-# added up in float64).
-GRAM_BLOCK_BYTES = 16 << 20
+# A Gram pass holds GRAM_WORKING_BYTES whatever N is: the N x N matrices (GRAM_SQUARE_BYTES per pair: the
+# block's float32 product, the span's float64 sum and the total, the distances written over the total) and
+# the gathered float32 block, centred in place, in what they leave, so memory stays flat in N up to N ~ 1,100
+# (24 MiB of matrices alone; past that they grow as N^2, which the Gram matrix itself is). Its columns stay
+# between GRAM_MIN_COLUMNS (for the matrix product to run at full speed) and GRAM_COLUMNS (for float32 dot
+# products to stay accurate: they are added up in float64; centred values of 50 deltas sharing a common part,
+# against float64, gave pairwise distances within 4.2e-7 relative at 2^15 columns and 6.9e-7 at 2^16). With
+# 16 MiB blocks and the matrices on top, Krum held 26 MiB above start at 100 x 1M and 74 to 105 at 1,000 x 1M
+# (bench/README.md, "aggregation.py").
+GRAM_WORKING_BYTES = 24 << 20
+# Rows of the float32 product widened to float64 and added at a time (``span_gram``): torch's float64 +=
+# float32 of a whole N x N product allocated a float64 copy of it on every block, and the process grew by one
+# such copy per block for the first few (RSS +56 MiB at N = 1,000 over a span's six blocks), four times slower
+# than adding through this reused panel.
+GRAM_PANEL_ROWS = 64
+GRAM_SQUARE_BYTES = 4 + 8 + 8
 GRAM_MIN_COLUMNS = 512
-GRAM_COLUMNS = 1 << 15
+GRAM_COLUMNS = 1 << 16
 
 
 class CoordinateStrategy(RobustStrategy):
@@ -352,8 +393,8 @@ class Krum(RobustStrategy):
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         prepared = self.prepare(inputs, spec, params)
         params, coordinates, _, deltas, factors = prepared
-        gram = self.gram(deltas, factors, params, coordinate_spans(coordinates.total, params["coordinate_shards"]))
-        return self._chosen_mean(prepared, gram)
+        spans = coordinate_spans(coordinates.total, params["coordinate_shards"])
+        return self._chosen_mean(prepared, self.gram(deltas, factors, params, spans))  # no name holds the matrix
 
     def needs_gram(self, params) -> bool:
         return True
@@ -370,7 +411,8 @@ class Krum(RobustStrategy):
         if mixing is not None:
             gram = mixing @ gram @ mixing.T
         f = byzantine_count(params["byzantine"], n)
-        scores = krum_scores(squared_distances(gram), f)
+        scores = krum_scores(squared_distances(gram, in_place=True), f)
+        del gram  # the distances, written over it: N x N float64 not held through the chosen deltas' mean
         order = sorted(range(n), key=lambda i: (scores[i], i))
         chosen = order[: self.select(params, n, f)]
         weights = [float(inputs[i].num_samples) if len(chosen) > 1 else 1.0 for i in chosen]
