@@ -36,6 +36,34 @@ def _pages(api: _Api, path: str) -> list[dict]:
     return body["results"]
 
 
+def _latest_reports(api: _Api, devices: list[dict]) -> dict[str, dict | None]:
+    """Each device's latest personalization report (None if it sent none), by device name."""
+    latest = {}
+    for device in devices:
+        status, reports = api.call("GET", f"/devices/{device['id']}/personalization/")
+        assert status == 200, reports
+        latest[device["name"]] = reports["results"][0] if reports["results"] else None
+    return latest
+
+
+def _report_table(devices: list[dict], latest: dict[str, dict | None]) -> str:
+    """One line per device: its user (the demo's scenario), cohort and latest report, to read a failure by."""
+    lines = ["device | user | cohort | version | held | trained | shared | personal | gain | serving"]
+    for device in sorted(devices, key=lambda d: d["name"]):
+        report = latest.get(device["name"])
+        user = (device.get("labels") or {}).get("user", "?")
+        head = f"{device['name']} | {user} | {device.get('cohort')}"
+        if report is None:
+            lines.append(f"{head} | no report")
+            continue
+        lines.append(
+            f"{head} | v{report['version']} | {report['val_samples']} | {report['trained_samples']} | "
+            f"{report['shared_accuracy']:.3f} | {report['personal_accuracy']:.3f} | {report['gain_points']:+.1f} | "
+            f"{report['serving']}"
+        )
+    return "\n".join(lines)
+
+
 def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_models_without_a_server_error(
     tmp_path,
 ):
@@ -74,20 +102,20 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
         status, summary = api.call("GET", f"/adapters/{adapter['id']}/personalization/")
         assert status == 200, summary
         _say(f"personalization: {summary}")
+        latest = _latest_reports(api, devices)
+        table = _report_table(devices, latest)
+        _say(f"each device's latest report:\n{table}")
         fleet = summary["fleet"]
-        assert fleet["devices"] >= DEVICES - 2, summary
-        assert fleet["serving"]["personal"] >= 3, summary  # the sensor and label-name users at least
-        assert fleet["mean_gain_points"] > 5, summary
+        assert fleet["devices"] >= DEVICES - 2, table
+        assert fleet["serving"]["personal"] >= 3, table  # the sensor and label-name users at least
+        assert fleet["mean_gain_points"] > 5, table
         # Plain users (eu-phones: their own label mix only) may measure their own model worse on their held
         # samples, and then serve the shared version; the users who differ gain.
         differ = next(c for c in summary["cohorts"] if c["cohort"] == "us-wearables")
-        assert differ["mean_gain_points"] > 10 and differ["devices_gaining"] >= differ["devices"] - 1, summary
-        for device in devices:
-            status, reports = api.call("GET", f"/devices/{device['id']}/personalization/")
-            assert status == 200, reports
-            latest = reports["results"][0] if reports["results"] else None
-            if latest and latest["val_samples"] >= 10 and latest["gain_points"] < 0:
-                assert latest["serving"] == "shared", latest
+        assert differ["mean_gain_points"] > 10 and differ["devices_gaining"] >= differ["devices"] - 1, table
+        for report in latest.values():
+            if report and report["val_samples"] >= 10 and report["gain_points"] < 0:
+                assert report["serving"] == "shared", table
 
         status, rejected = api.call("GET", "/deltas/?state=rejected")
         assert status == 200 and rejected["count"] >= 1  # the misbehaving device is caught
