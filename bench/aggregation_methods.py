@@ -216,9 +216,9 @@ def method_robust(job, size, envelopes, name: str) -> dict:
 
     spec = spec_of(size)
     inputs = [DeltaInput(str(path), num_samples(i)) for i, path in enumerate(size.paths())]
-    params = {"trim_ratio": 0.1} if name == "trimmed_mean" else {}
+    params = {"trim_ratio": 0.1} if name == "trimmed_mean" else {"mixing": "nnm"} if name == "krum_nnm" else {}
     start, cpu = time.perf_counter(), cpu_seconds()
-    result = get_strategy(name).aggregate(inputs, spec=spec, base=None, params=params)
+    result = get_strategy(name.removesuffix("_nnm")).aggregate(inputs, spec=spec, base=None, params=params)
     out = {"seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu}
     save_result(size.label, name, result)
     return out
@@ -448,7 +448,7 @@ def main() -> None:
         out = method_two(job, size, envelopes)
     elif method in ("verify_fedavg", "verify_fedavg_product"):
         out = method_verify_fedavg(job, size, envelopes, product=method == "verify_fedavg_product")
-    elif method in ("median", "trimmed_mean", "krum", "multi_krum"):
+    elif method in ("median", "trimmed_mean", "krum", "krum_nnm", "multi_krum"):
         out = method_robust(job, size, envelopes, method)
     elif method.startswith("flower_"):
         out = method_flower(job, size, envelopes)

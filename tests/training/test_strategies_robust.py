@@ -405,3 +405,22 @@ def test_distances_written_over_the_gram_matrix_are_the_same_values():
     assert over.data_ptr() == gram.data_ptr() and torch.equal(over, fresh)
     assert torch.equal(strategies_robust.squared_distances(kept), fresh)  # not in place: the matrix is kept
     assert torch.allclose(fresh, torch.cdist(rows, rows) ** 2, rtol=1e-9, atol=1e-9)
+
+
+def test_the_mixing_matrix_made_row_by_row_from_the_gram_matrix_is_the_whole_ranking_s():
+    """Each row's N - f nearest (itself first, ties to the earlier input), its squared distances made from the
+    Gram matrix as it is ranked, is what a stable sort of every distance at once gives, ties included; and Krum
+    with mixing writes M G M^T over the Gram matrix with the same values."""
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(30, 40, generator=gen, dtype=torch.float64)
+    rows[7] = rows[3]  # a tie: two deltas at the same distance from every other
+    gram = rows @ rows.T
+    for f in (0, 5, 14):
+        keep = 30 - f
+        ranked = strategies_robust.squared_distances(gram).fill_diagonal_(-1.0)
+        nearest = torch.argsort(ranked, dim=1, stable=True)[:, :keep]
+        want = torch.zeros(30, 30, dtype=torch.float64).scatter_(1, nearest, 1.0 / keep)
+        assert torch.equal(strategies_robust.mixing_matrix(gram, f), want)
+    mixing = strategies_robust.mixing_matrix(gram, 5)
+    want = mixing @ gram @ mixing.T
+    assert torch.equal(torch.mm(torch.mm(mixing, gram), mixing.T, out=gram), want)

@@ -107,14 +107,22 @@ def byzantine_count(given: int | None, n: int, spare: int = 3) -> int:
     return bound if given is None else min(given, bound)
 
 
-def mixing_matrix(distances: torch.Tensor, f: int) -> torch.Tensor:
-    """Nearest-neighbour mixing: row i holds 1 / (N - f) for the N - f deltas nearest delta i (itself first,
-    then by distance, ties to the earlier input) and 0 elsewhere. float64 [N, N]."""
-    n = distances.shape[0]
+def mixing_matrix(gram: torch.Tensor, f: int) -> torch.Tensor:
+    """Nearest-neighbour mixing from the deltas' Gram matrix: row i holds 1 / (N - f) for the N - f deltas nearest
+    delta i (itself first, then by squared distance, ties to the earlier input) and 0 elsewhere. float64 [N, N].
+    Made a row at a time: the row's squared distances ((a_i + a_j) - 2 g_ij, clamped at 0: the values
+    ``squared_distances`` gives), then their stable order; every distance and their whole order at once were
+    three more N x N matrices beside the Gram matrix and this one."""
+    n = gram.shape[0]
     keep = max(1, n - f)
-    ranked = distances.to(torch.float64).clone().fill_diagonal_(-1.0)  # distances are >= 0: itself first
-    nearest = torch.argsort(ranked, dim=1, stable=True)[:, :keep]
-    return torch.zeros(n, n, dtype=torch.float64).scatter_(1, nearest, 1.0 / keep)
+    squares = gram.diagonal().to(torch.float64)
+    mixing = torch.zeros(n, n, dtype=torch.float64)
+    ranked = torch.empty(n, dtype=torch.float64)
+    for i in range(n):
+        torch.add(squares, squares[i], out=ranked).sub_(gram[i], alpha=2).clamp_min_(0)
+        ranked[i] = -1.0  # distances are >= 0: itself first
+        mixing[i].index_fill_(0, torch.argsort(ranked, stable=True)[:keep], 1.0 / keep)
+    return mixing
 
 
 def coordinate_spans(total: int, count: int) -> list[tuple[int, int]]:
@@ -255,7 +263,7 @@ class RobustStrategy(Strategy):
 
     def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor:
         """The nearest-neighbour mixing matrix for ``mixing: "nnm"`` (f from ``byzantine``)."""
-        return mixing_matrix(squared_distances(gram), byzantine_count(params["byzantine"], gram.shape[0], spare=1))
+        return mixing_matrix(gram, byzantine_count(params["byzantine"], gram.shape[0], spare=1))
 
     def needs_gram(self, params) -> bool:
         return self.check_params(params)["mixing"] == "nnm"
@@ -408,8 +416,8 @@ class Krum(RobustStrategy):
         params, coordinates, inputs, deltas, factors = prepared
         n = len(inputs)
         mixing = self.mixing(gram, params) if params["mixing"] == "nnm" else None
-        if mixing is not None:
-            gram = mixing @ gram @ mixing.T
+        if mixing is not None:  # M G M^T, the second product written over G: one N x N matrix between them
+            gram = torch.mm(torch.mm(mixing, gram), mixing.T, out=gram)
         f = byzantine_count(params["byzantine"], n)
         scores = krum_scores(squared_distances(gram, in_place=True), f)
         del gram  # the distances, written over it: N x N float64 not held through the chosen deltas' mean
@@ -421,6 +429,7 @@ class Krum(RobustStrategy):
             mixed = sum(w * mixing[i] for i, w in zip(chosen, weights, strict=True))
             chosen = [j for j in range(n) if float(mixed[j]) > 0]
             weights = [float(mixed[j]) for j in chosen]
+            del mixing, mixed  # N x N float64 not held through the chosen deltas' mean
         picked = [deltas[i] for i in chosen]
         sums = torch.from_numpy(
             flat_weighted_sum(picked, [w * factors[i] for w, i in zip(weights, chosen, strict=True)])
