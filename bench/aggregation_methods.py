@@ -267,7 +267,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
-        out["verify_seconds"] = 0.0
+        out["verify_seconds"] = out["partial_seconds"] = 0.0
         for shard_index, members in part:
             inputs = []
             verifying = time.perf_counter()
@@ -277,7 +277,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
             out["verify_seconds"] += time.perf_counter() - verifying
             summing = time.perf_counter()
             sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
-            out["partial_seconds"] = out.get("partial_seconds", 0.0) + time.perf_counter() - summing
+            out["partial_seconds"] += time.perf_counter() - summing
             # as training.federation.aggregation.shard_partial: the float64 sums stored as a safetensors blob,
             # hashed (its name) and written to a new file
             blob = partial_path(size, shard_index)

@@ -85,19 +85,23 @@ def side_by_side(n: int) -> int:
     return max(64, SIDE_BY_SIDE_BYTES // (4 * max(1, n)))
 
 
+def distance_row(gram: torch.Tensor, squares: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
+    """Row i of the squared L2 distances, into ``out`` (float64 [N]): ``(a_i + a_j) - 2 g_ij`` clamped at 0,
+    ``squares`` the Gram matrix's diagonal (2 g is exact in float64)."""
+    return torch.add(squares, squares[i], out=out).sub_(gram[i], alpha=2).clamp_min_(0)
+
+
 def squared_distances(gram: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
-    """Pairwise squared L2 distances from a Gram matrix (float64, zero diagonal). ``in_place``: written over
-    ``gram`` row by row (no second N x N matrix; the caller has no further use for the Gram matrix), the same
-    values: each row is ``(a_i + a_j) - 2 g_ij`` either way (2 g is exact in float64)."""
+    """Pairwise squared L2 distances from a Gram matrix (float64, zero diagonal), a row at a time
+    (``distance_row``). ``in_place``: written over ``gram`` (no second N x N matrix; the caller has no further
+    use for the Gram matrix), the same values."""
+    n = gram.shape[0]
     squares = gram.diagonal().clone()
-    if in_place:
-        for i in range(gram.shape[0]):
-            gram[i].mul_(-2).add_(squares[i] + squares)
-        distances = gram
-    else:
-        distances = squares[:, None] + squares[None, :]  # the one N x N matrix made here; the rest in place
-        distances.sub_(gram, alpha=2)
-    return distances.clamp_min_(0).fill_diagonal_(0)
+    distances = gram if in_place else torch.empty_like(gram, dtype=torch.float64)
+    row = torch.empty(n, dtype=torch.float64)
+    for i in range(n):
+        distances[i].copy_(distance_row(gram, squares, i, row))
+    return distances.fill_diagonal_(0)
 
 
 def byzantine_count(given: int | None, n: int, spare: int = 3) -> int:
@@ -110,16 +114,15 @@ def byzantine_count(given: int | None, n: int, spare: int = 3) -> int:
 def mixing_matrix(gram: torch.Tensor, f: int) -> torch.Tensor:
     """Nearest-neighbour mixing from the deltas' Gram matrix: row i holds 1 / (N - f) for the N - f deltas nearest
     delta i (itself first, then by squared distance, ties to the earlier input) and 0 elsewhere. float64 [N, N].
-    Made a row at a time: the row's squared distances ((a_i + a_j) - 2 g_ij, clamped at 0: the values
-    ``squared_distances`` gives), then their stable order; every distance and their whole order at once were
-    three more N x N matrices beside the Gram matrix and this one."""
+    Made a row at a time: the row's squared distances (``distance_row``), then their stable order; every
+    distance and their whole order at once were three more N x N matrices beside the Gram matrix and this one."""
     n = gram.shape[0]
     keep = max(1, n - f)
-    squares = gram.diagonal().to(torch.float64)
+    squares = gram.diagonal().clone()
     mixing = torch.zeros(n, n, dtype=torch.float64)
     ranked = torch.empty(n, dtype=torch.float64)
     for i in range(n):
-        torch.add(squares, squares[i], out=ranked).sub_(gram[i], alpha=2).clamp_min_(0)
+        distance_row(gram, squares, i, ranked)
         ranked[i] = -1.0  # distances are >= 0: itself first
         mixing[i].index_fill_(0, torch.argsort(ranked, stable=True)[:keep], 1.0 / keep)
     return mixing
@@ -246,20 +249,15 @@ class RobustStrategy(Strategy):
         return total
 
     def gram(self, deltas, factors, params, spans) -> torch.Tensor:
-        """The Gram matrix over every span, one worker: ``combine_grams`` of the spans' parts (the same
-        arithmetic: the first span's part is the total, each next one, made in one reused matrix, added to it
-        in span order), so a chord's tasks and one worker give the same bytes."""
-        buffers = self.gram_buffers(len(deltas), self.gram_columns(len(deltas), params))
-        total, scratch = None, None
-        for span in spans:
-            if total is None:
-                total = self.span_gram(deltas, factors, params, span, buffers)
-            else:
-                scratch = self.span_gram(deltas, factors, params, span, buffers, into=scratch)
-                total.add_(scratch)
-        if total is None:
-            raise ValueError("no Gram matrix to combine")
-        return total
+        """The Gram matrix over every span, one worker: ``combine_grams`` of the spans' parts, as a chord's tasks
+        give them (the same bytes). Each part is made in one reused matrix: ``combine_grams`` copies the first
+        and adds each next one before the next is made (a generator)."""
+        n = len(deltas)
+        buffers = self.gram_buffers(n, self.gram_columns(n, params))
+        scratch = torch.empty(n, n, dtype=torch.float64)
+        return self.combine_grams(
+            self.span_gram(deltas, factors, params, span, buffers, into=scratch) for span in spans
+        )
 
     def mixing(self, gram: torch.Tensor, params: dict) -> torch.Tensor:
         """The nearest-neighbour mixing matrix for ``mixing: "nnm"`` (f from ``byzantine``)."""
