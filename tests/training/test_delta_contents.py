@@ -13,7 +13,10 @@ import json
 import math
 import mmap
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,9 +24,12 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import decode_tensor, encode_delta, read_encoding
+from tests.training.forked_checks import ROUNDS
 from training.federation.delta_contents import Rejection, contents_check
 from training.registry.artifacts import PassedHeaders
 from training.registry.blobs import CHUNK, page_aligned
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = {f"layers.{i}.lora_{ab}.weight": ((4, 33) if ab == "A" else (33, 4)) for i in range(5) for ab in "AB"}
 
@@ -213,6 +219,26 @@ def test_checks_on_two_threads_at_once_each_read_into_their_own_buffers():
     for thread in threads:
         thread.join()
     assert answers == {"good": [want] * 20, "bad": ["not_finite"] * 20}
+
+
+def test_checks_in_processes_forked_after_the_buffers_were_made_read_into_their_own(tmp_path):
+    """Celery's prefork pool imports this module (making the main thread's read buffer) and then forks its
+    children, which verify deltas at the same time. A read buffer shared by the forked children (an anonymous
+    mapping is shared unless made private) had each child read another's bytes between its read and its hash:
+    correctly signed deltas rejected as ``hash_mismatch`` under load (tests/training/forked_checks.py)."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "tests.training.forked_checks", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    found = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert found["exitcodes"] == [0, 0], ran.stderr[-3000:]
+    wrong = [answer for answers in found["answers"] for answer in answers if answer != "f32"]
+    assert found["answers"] == [["f32"] * 2 * ROUNDS] * 2, wrong
 
 
 def test_read_buffers_start_on_a_page():

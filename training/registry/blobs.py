@@ -23,8 +23,12 @@ CHUNK = 1024 * 1024
 def page_aligned(size: int) -> mmap.mmap:
     """A writable buffer of ``size`` bytes (at least one) starting on a page boundary, for reads from files:
     the kernel copies from the page cache into it twice as fast as into a buffer 16 bytes into a page, where
-    Python's ``bytearray`` and numpy's arrays start (bench/README.md, "aggregation.py")."""
-    return mmap.mmap(-1, max(1, size))
+    Python's ``bytearray`` and numpy's arrays start (bench/README.md, "aggregation.py").
+
+    Private to the process: an anonymous mapping is shared by default, and a buffer made before a fork (the
+    verification's, made when Celery's prefork pool imports the tasks) was then the same memory in every pool
+    child, each reading its file into it while another hashed it (good deltas rejected as ``hash_mismatch``)."""
+    return mmap.mmap(-1, max(1, size), flags=mmap.MAP_PRIVATE)
 
 
 @dataclass(frozen=True)
