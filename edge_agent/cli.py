@@ -81,6 +81,7 @@ def cmd_run(args) -> int:
         return 1
 
     agent, inbox = Agent(args.home), Inbox(args.home)
+    logging.getLogger("edge_agent").info("inbox: files dropped in %s are taken before each pass", inbox.make())
 
     def take_inbox() -> None:
         if not (inbox.waiting() or any(inbox.taking.glob("*"))):
@@ -248,6 +249,8 @@ def cmd_configure(args) -> int:
         config.train_interval_seconds = args.train_interval
     config.save(args.home)
     print(json.dumps(config.__dict__, indent=2))
+    if config.data.get("kind") == "app":
+        print(f"samples come from the application: drop sample files in {Inbox(args.home).make()}", file=sys.stderr)
     return 0
 
 

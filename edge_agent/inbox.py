@@ -25,6 +25,12 @@ class Inbox:
         self.taking = self.root / ".taking"
         self.rejected = self.root / "rejected"
 
+    def make(self) -> Path:
+        """Create the folder (and its parents) if it is not there; returns it. ``configure --data app`` and
+        ``run`` make it, so the application has a place to drop files from the start."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root
+
     def _remove(self, path: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 

@@ -190,6 +190,9 @@ def test_agent_enrolls_waits_for_approval_survives_a_server_restart_and_goes_off
         assert refusal is not None, "the pending agent never recorded a refusal:\n" + agent_output.tail()
         assert refusal["connected"] is False
         assert refusal["retry_in"] <= MAX_BACKOFF, refusal
+        # The inbox is there from the first run, and the agent says where (the application needs no mkdir).
+        assert (home / "inbox").is_dir(), agent_output.tail()
+        assert any(f"files dropped in {home / 'inbox'}" in line for line in agent_output.lines), agent_output.tail()
         watch_until = time.monotonic() + OFFLINE_AFTER  # several flushes and retries
         while time.monotonic() < watch_until:
             device = api.device(device_id)

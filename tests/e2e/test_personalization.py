@@ -157,7 +157,7 @@ def test_an_inbox_fed_device_personalizes_reports_survives_a_kill_mid_pass_and_k
         # 1. Fed only through the inbox: one good file, one malformed (a label out of range at sample 7), one
         # still being written.
         mine, extra, held_out = _user_data()
-        inbox.mkdir()
+        assert inbox.is_dir() and str(inbox) in configured.stderr, configured.stderr  # made by configure
         np.savez(inbox / "today.npz", **mine)
         extra["y"][7] = 10
         np.savez(inbox / "bad-labels.npz", **extra)

@@ -98,6 +98,23 @@ def test_files_in_every_format_are_stored_and_a_malformed_one_refused_whole(home
     assert len(SampleStore(home / "samples")) == 62
 
 
+def test_configuring_samples_from_the_application_makes_the_inbox_and_says_where(tmp_path):
+    """``configure --data app`` leaves the application a folder to drop files in, named on the terminal; the
+    JSON of the configuration stays alone on standard output."""
+    home = tmp_path / "agent"
+    for _ in range(2):  # a second time changes nothing
+        ran = subprocess.run(
+            [sys.executable, "-m", "edge_agent", "--home", str(home), "configure", "--data", "app"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert json.loads(ran.stdout)["data"] == {"kind": "app"}
+        assert (home / "inbox").is_dir() and f"drop sample files in {home / 'inbox'}" in ran.stderr, ran.stderr
+
+
 def test_the_inbox_takes_each_file_once_and_moves_a_bad_one_aside_with_its_reason(home, digits):
     inbox = Inbox(home)
     inbox.root.mkdir()
