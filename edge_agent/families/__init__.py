@@ -22,6 +22,7 @@ without ``transformers``). New families plug in as ``package.module:attribute``.
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any, Protocol
 
 _BUILTIN = {
@@ -56,7 +57,14 @@ def builtin_names() -> list[str]:
     return sorted(_BUILTIN)
 
 
+# ``package.module:attribute``: dotted identifiers, then one identifier. Anything else (an empty or relative module,
+# no attribute) is not a family's path, refused before importlib is asked (which raised ValueError or TypeError).
+_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+
+
 def _load(path: str, name: str) -> Family:
+    if not _PATH.fullmatch(path):
+        raise LookupError(f"model family {name!r} is not a 'package.module:attribute' path")
     module_name, _, attribute = path.partition(":")
     try:
         family = getattr(importlib.import_module(module_name), attribute)

@@ -12,7 +12,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from training.models import AdapterVersion, TrainingEvent
+from training.models import AdapterVersion, BaseModel, TrainingEvent
 from training.registry.blobs import blob_read
 from training.registry.services import build_base, version_create_seeded, version_export_peft
 
@@ -298,3 +298,9 @@ def test_base_model_with_uploaded_weights_must_match_the_family(api_client_for):
     assert response.status_code == 400 and "head.bias" in response.json()["error"]["message"]
     response = admin.post("/api/v1/base-models/", {"name": "odd", "family": "no.such:family"}, format="json")
     assert response.status_code == 400 and response.json()["error"]["code"] == "unknown_family"
+    # Not a path at all (the API fuzzer's finds: an empty or relative module was a server error), refused alike.
+    for family in (":", ":family", ".relative:family", "os:", "a b:c", "edge_agent.families:x:y", "é:family"):
+        response = admin.post("/api/v1/base-models/", {"name": "odd", "family": family}, format="json")
+        assert response.status_code == 400, (family, response.content)
+        assert response.json()["error"]["code"] == "unknown_family", family
+    assert not BaseModel.objects.filter(name="odd").exists()
