@@ -214,7 +214,13 @@ def notes(method: str, row: dict) -> str:
         shards = " + ".join(str(sum(p)) for p in row["shards_per_worker"])
         took = " / ".join(
             f"{w['seconds']:.2f}"
-            + (f" (verify {w['verify_seconds']:.2f}, sum {w['partial_seconds']:.2f})" if "verify_seconds" in w else "")
+            + (
+                f" (verify {w['verify_seconds']:.2f}, sum {w['partial_seconds']:.2f}"
+                + (f", store {w['store_seconds']:.2f}" if "store_seconds" in w else "")
+                + ")"
+                if "verify_seconds" in w
+                else ""
+            )
             for w in row["workers"]
         )
         parts.append(f"deltas per worker {shards} took {took} s, combine {row['combine_seconds']:.2f} s")

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -227,8 +228,10 @@ def method_robust(job, size, envelopes, name: str) -> dict:
 # --- two processes (two Celery workers) ---------------------------------------------------------------
 
 
-def partial_path(size, shard_index: int) -> Path:
-    return TMP / size.label / f"partial-{shard_index:04d}.safetensors"
+def partials_root(size) -> Path:
+    """Where the stand-in workers store their partials (the product's blob folder for them). Emptied before each
+    run: the product stores a round's partials as new blobs, never over an earlier run's file."""
+    return TMP / size.label / "partials"
 
 
 def _worker(job: dict, part: list, ready, go, results) -> None:
@@ -244,13 +247,9 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
             torch.set_num_threads(job["torch_threads"])
         from training.federation.strategies import get_strategy  # noqa: F401
 
+        os.environ["BLOB_ROOT"] = str(partials_root(size))  # emptied by method_two before the workers start
         django_for_product()  # before the start: verification imports the models
         import training.federation.verification  # noqa: F401
-    if not job["method"].startswith("floor"):
-        # The product stores each partial as a new blob (named by its hash): no earlier run's file to write over,
-        # which took 0.2 s at 10M where a new file took 0.04 (the old file's pages freed first).
-        for shard_index, _ in part:
-            partial_path(size, shard_index).unlink(missing_ok=True)
     base = rss_now()
     ready.put(os.getpid())
     go.wait()
@@ -260,14 +259,13 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
     if job["method"].startswith("floor"):
         floor_pass([paths[i] for i in part], [envelopes[i] for i in part])
     else:
-        from safetensors.torch import save as save_safetensors
-
         from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
         from training.federation.strategies import DeltaInput, get_strategy
+        from training.registry.blobs import blob_path, blob_put_tensors
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
-        out["verify_seconds"] = out["partial_seconds"] = 0.0
+        out["verify_seconds"] = out["partial_seconds"] = out["store_seconds"] = 0.0
         for shard_index, members in part:
             inputs = []
             verifying = time.perf_counter()
@@ -278,15 +276,12 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
             summing = time.perf_counter()
             sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
             out["partial_seconds"] += time.perf_counter() - summing
-            # as training.federation.aggregation.shard_partial: the float64 sums stored as a safetensors blob,
-            # hashed (its name) and written to a new file
-            blob = partial_path(size, shard_index)
-            blob.parent.mkdir(parents=True, exist_ok=True)
-            data = save_safetensors({k: v.contiguous() for k, v in sorted(sums.items())})
-            hashlib.sha256(data).hexdigest()
-            blob.write_bytes(data)
-            del data
-            out["partials"].append((shard_index, str(blob), weight))
+            # as training.federation.aggregation.shard_partial: the float64 sums stored as a new blob, named by
+            # its hash, through the product's own code
+            storing = time.perf_counter()
+            blob = blob_put_tensors(sums)
+            out["store_seconds"] += time.perf_counter() - storing
+            out["partials"].append((shard_index, blob_path(blob.sha256), weight))
     out.update(
         seconds=time.perf_counter() - start,
         cpu_seconds=cpu_seconds() - cpu,
@@ -298,7 +293,16 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 
 
 # What each stand-in worker reports: its wall and CPU time, memory, shards, and (ours) its verification and sum.
-WORKER_FIGURES = ("seconds", "cpu_seconds", "rss_start", "rss_peak", "count", "verify_seconds", "partial_seconds")
+WORKER_FIGURES = (
+    "seconds",
+    "cpu_seconds",
+    "rss_start",
+    "rss_peak",
+    "count",
+    "verify_seconds",
+    "partial_seconds",
+    "store_seconds",
+)
 
 
 def method_two(job, size, envelopes) -> dict:
@@ -320,6 +324,7 @@ def method_two(job, size, envelopes) -> dict:
         layout_ = list(enumerate(shards(list(range(n)), shard_size, 2)))
         half = math.ceil(len(layout_) / 2)
         parts = [layout_[:half], layout_[half:]]
+    shutil.rmtree(partials_root(size), ignore_errors=True)
     ready, results, go = context.Queue(), context.Queue(), context.Event()
     workers = [context.Process(target=_worker, args=(job, part, ready, go, results)) for part in parts]
     for worker in workers:

@@ -29,7 +29,7 @@ from training import dispatch
 from training.federation.aggregation_settings import aggregation_settings, dp_settings
 from training.federation.strategies import DeltaInput, get_strategy, shards
 from training.models import Adapter, AdapterVersion, Delta, Round
-from training.registry.blobs import blob_local_path, blob_put_bytes, blob_read
+from training.registry.blobs import blob_local_path, blob_put_bytes, blob_put_tensors, blob_read
 from training.registry.services import _next_number, _record
 
 logger = logging.getLogger(__name__)
@@ -154,8 +154,7 @@ def _span_run(round_id: int, work) -> dict:
     except (ValueError, LookupError, OSError) as exc:
         _fail(round_, f"{type(exc).__name__}: {exc}")
         return {"failed": True}
-    blob = blob_put_bytes(save_safetensors({"part": tensor.contiguous()}))
-    return {"sha256": blob.sha256}
+    return {"sha256": blob_put_tensors({"part": tensor}).sha256}
 
 
 def span_gram(*, round_id: int, span: list[int]) -> dict:
@@ -190,7 +189,7 @@ def spans_failed(parts: list[dict]) -> bool:
 def combine_grams(*, parts: list[dict]) -> str:
     """The whole Gram matrix from the spans' parts (added in span order), stored as a blob: its sha256."""
     gram = get_strategy("krum").combine_grams(_part(part["sha256"]) for part in parts)
-    return blob_put_bytes(save_safetensors({"part": gram.contiguous()})).sha256
+    return blob_put_tensors({"part": gram}).sha256
 
 
 def combine_span_values(*, round_id: int, parts: list[dict], gram_sha256: str | None = None):
@@ -228,8 +227,7 @@ def shard_partial(*, round_id: int, delta_ids: list[int]) -> dict:
         sums, weight = strategy.partial(
             _inputs(stack, round_, deltas), spec=round_.adapter.tensor_spec, base=_base_tensors(round_), params=params
         )
-    blob = blob_put_bytes(save_safetensors({k: v.contiguous() for k, v in sorted(sums.items())}))
-    return {"sha256": blob.sha256, "weight": weight}
+    return {"sha256": blob_put_tensors(sums).sha256, "weight": weight}
 
 
 def partial_sums(sha256: str) -> dict[str, torch.Tensor]:
