@@ -261,7 +261,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
     else:
         from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
         from training.federation.strategies import DeltaInput, get_strategy
-        from training.registry.blobs import blob_path, blob_put_tensors
+        from training.registry.blobs import blob_path, blob_put_tensors  # loaded already, by verification above
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")

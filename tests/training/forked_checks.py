@@ -17,6 +17,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import django
+import torch
+
+from edge_agent.delta import encode_delta
 
 SHAPES = {f"layers.{i}.lora_{ab}.weight": [256, 256] for i in range(3) for ab in "AB"}  # 1.5 MiB: two reads
 ROUNDS = 15
@@ -28,10 +31,6 @@ def _adapter() -> SimpleNamespace:
 
 
 def _write_files(folder: Path, count: int) -> list[tuple[str, str]]:
-    import torch
-
-    from edge_agent.delta import encode_delta
-
     files = []
     for seed in range(count):
         generator = torch.Generator().manual_seed(seed)
@@ -43,8 +42,8 @@ def _write_files(folder: Path, count: int) -> list[tuple[str, str]]:
 
 
 def _child(files: list[tuple[str, str]], answers) -> None:
-    import torch
-
+    # Imported in the parent before the fork (main): this only names it. Not at the top: the training package needs
+    # Django set up first, which the program does under __main__.
     from training.federation.delta_contents import Rejection, contents_check
 
     torch.set_num_threads(1)  # as fleet.celery's worker_process_init
@@ -62,11 +61,10 @@ def _child(files: list[tuple[str, str]], answers) -> None:
 
 
 def main(folder: str) -> None:
-    import torch
-
     torch.set_num_threads(1)  # writing the files starts no OpenMP threads to break the fork
     files = _write_files(Path(folder), 4)
-    import training.federation.delta_contents  # noqa: F401  (the main thread's buffers, as a worker's parent)
+    # The import is the moment the main thread's buffers are made, as in a worker's parent; after Django's setup.
+    import training.federation.delta_contents  # noqa: F401
 
     context = multiprocessing.get_context("fork")
     answers = context.Queue()

@@ -122,10 +122,14 @@ def blob_put_tensors(tensors: dict[str, torch.Tensor]) -> Blob:
     (a shard's float64 partial of a 10M adapter is 80 MiB; bench/README.md, "aggregation.py"). Other dtypes, and
     storages without local files (S3), take ``blob_put_bytes``."""
     storage = _storage()
-    if not tensors or any(t.dtype not in _STREAMED for t in tensors.values()) or blob_path("0" * 64) is None:
+    try:
+        root = storage.path("")
+    except NotImplementedError:  # no local files (S3)
+        root = None
+    if root is None or not tensors or any(t.dtype not in _STREAMED for t in tensors.values()):
         return blob_put_bytes(save_safetensors({name: tensor.contiguous() for name, tensor in tensors.items()}))
     head, order = _safetensors_header(tensors)
-    temporary = os.path.join(storage.path(""), f".part-{secrets.token_hex(8)}")  # beside the blobs: one rename
+    temporary = os.path.join(root, f".part-{secrets.token_hex(8)}")  # beside the blobs: one rename
     _folder(storage, temporary)
     digest, size = hashlib.sha256(head), len(head)
     try:
