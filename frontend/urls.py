@@ -16,6 +16,7 @@ urlpatterns = [
     path("enrollment-tokens/", views.enrollment_tokens, name="enrollment-tokens"),
     path("enrollment-tokens/<int:pk>/revoke/", views.enrollment_token_revoke_view, name="enrollment-token-revoke"),
     path("models/", views.models, name="models"),
+    path("adapters/", views.adapters, name="adapters"),
     path("adapters/<int:pk>/", views.adapter_detail, name="adapter-detail"),
     path("adapters/<int:pk>/cohorts/", views.adapter_cohorts, name="adapter-cohorts"),
     path("rounds/", views.rounds, name="rounds"),

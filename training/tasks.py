@@ -3,7 +3,6 @@ already handled (every service guards its own state), so a redelivered task (``a
 nothing twice."""
 
 from celery import chord, shared_task
-from django.db import InterfaceError, OperationalError
 
 from training.dispatch import TRANSIENT_ERRORS
 from training.federation.aggregation import (
@@ -31,6 +30,19 @@ from training.models import AdapterVersion, Rollout
 from training.rollouts.lifecycle import rollout_tick, round_result_release
 from training.selectors import deltas_awaiting_rescue
 
+# PostgreSQL or Redis away for a moment (a restart, "too many clients"): verification and aggregation tasks are
+# tried again after 2, 4, 8 ... (at most 60) seconds, eight times. Each is safe to run again: a delta is verified
+# once (its state), a round aggregated at most once (state guards, ``UNIQUE(round)`` on the version), a shard's or
+# span's part is a blob named by its hash. Where every try fails, beat's rescues queue the work again later
+# (``requeue_unverified_deltas``, ``requeue_stalled_rounds``).
+RETRY_TRANSIENT = {
+    "autoretry_for": TRANSIENT_ERRORS,
+    "retry_backoff": 2,
+    "retry_backoff_max": 60,
+    "retry_jitter": True,
+    "max_retries": 8,
+}
+
 
 @shared_task(name="training.tasks.tick_rollouts", ignore_result=True, time_limit=120, soft_time_limit=100)
 def tick_rollouts() -> dict:
@@ -43,17 +55,7 @@ def tick_rollouts() -> dict:
 
 
 @shared_task(
-    name="training.tasks.verify_delta",
-    ignore_result=True,
-    time_limit=300,
-    soft_time_limit=280,
-    # Redis or PostgreSQL gone for a moment (a restart, "too many clients"): try again; a delta whose every
-    # try failed stays `received` and ``requeue_unverified_deltas`` queues it again later.
-    autoretry_for=(ConnectionError, OperationalError, InterfaceError),
-    retry_backoff=2,
-    retry_backoff_max=60,
-    retry_jitter=True,
-    max_retries=8,
+    name="training.tasks.verify_delta", ignore_result=True, time_limit=300, soft_time_limit=280, **RETRY_TRANSIENT
 )
 def verify_delta(delta_id: int) -> str | None:
     delta = delta_verify(delta_id=delta_id)
@@ -61,15 +63,7 @@ def verify_delta(delta_id: int) -> str | None:
 
 
 @shared_task(
-    name="training.tasks.verify_shard",
-    ignore_result=True,
-    time_limit=300,
-    soft_time_limit=280,
-    autoretry_for=TRANSIENT_ERRORS,
-    retry_backoff=2,
-    retry_backoff_max=60,
-    retry_jitter=True,
-    max_retries=8,
+    name="training.tasks.verify_shard", ignore_result=True, time_limit=300, soft_time_limit=280, **RETRY_TRANSIENT
 )
 def verify_shard(shard: int) -> int:
     """Verify one shard's received deltas in batches (``training.federation.verify_queue``); how many were verified."""
@@ -91,7 +85,13 @@ def expire_staged_uploads() -> int:
     return staged_expire()
 
 
-@shared_task(name="training.tasks.aggregate_round", ignore_result=True, time_limit=3600, soft_time_limit=3500)
+@shared_task(
+    name="training.tasks.aggregate_round",
+    ignore_result=True,
+    time_limit=3600,
+    soft_time_limit=3500,
+    **RETRY_TRANSIENT,
+)
 def aggregate_round(round_id: int) -> int | None:
     """Aggregate a closed round: here, or split into a chord of shards when it is large. A second task for a
     round another worker is aggregating right now does nothing."""
@@ -127,18 +127,24 @@ def requeue_stalled_rounds() -> int:
     return len(ids)
 
 
-@shared_task(name="training.tasks.aggregate_shard", time_limit=3600, soft_time_limit=3500)
+@shared_task(name="training.tasks.aggregate_shard", time_limit=3600, soft_time_limit=3500, **RETRY_TRANSIENT)
 def aggregate_shard(round_id: int, delta_ids: list[int]) -> dict:
     return shard_partial(round_id=round_id, delta_ids=delta_ids)
 
 
-@shared_task(name="training.tasks.combine_shards", ignore_result=True, time_limit=3600, soft_time_limit=3500)
+@shared_task(
+    name="training.tasks.combine_shards",
+    ignore_result=True,
+    time_limit=3600,
+    soft_time_limit=3500,
+    **RETRY_TRANSIENT,
+)
 def combine_shards(partials: list[dict], round_id: int) -> int | None:
     version = combine_partials(round_id=round_id, partials=partials)
     return version.pk if version is not None else None
 
 
-@shared_task(name="training.tasks.aggregate_span", time_limit=3600, soft_time_limit=3500)
+@shared_task(name="training.tasks.aggregate_span", time_limit=3600, soft_time_limit=3500, **RETRY_TRANSIENT)
 def aggregate_span(round_id: int, span: list[int], stage: str = "values", gram_sha256: str | None = None) -> dict:
     """One coordinate span of a robust round: its Gram matrix (``stage`` "gram") or its values."""
     if stage == "gram":
@@ -148,7 +154,13 @@ def aggregate_span(round_id: int, span: list[int], stage: str = "values", gram_s
     return {**part, "worker": aggregate_span.request.hostname}
 
 
-@shared_task(name="training.tasks.combine_spans", ignore_result=True, time_limit=3600, soft_time_limit=3500)
+@shared_task(
+    name="training.tasks.combine_spans",
+    ignore_result=True,
+    time_limit=3600,
+    soft_time_limit=3500,
+    **RETRY_TRANSIENT,
+)
 def combine_spans(parts: list[dict], round_id: int, stage: str = "values", gram_sha256: str | None = None):
     """The spans' parts in span order: Gram matrices (then Krum chooses, or a mixing rule's value spans run
     as a second chord) or a coordinate rule's values (then the version is stored)."""

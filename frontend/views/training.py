@@ -48,6 +48,12 @@ def models(request):
 
 
 @role_required(Role.VIEWER)
+def adapters(request):
+    """``/adapters/``, the parent of an adapter's own page: the adapters are listed on the models page."""
+    return redirect("frontend:models")
+
+
+@role_required(Role.VIEWER)
 def adapter_detail(request, pk: int):
     """The adapter; a POST (operators) changes its personalization setting."""
     detail = selectors.adapter_detail(pk)

@@ -75,6 +75,14 @@ def test_every_page_renders_for_the_roles_that_may_read_it(pages_world, client_f
             assert f'data-testid="role">{role}<' in response.content.decode()
 
 
+def test_the_adapters_parent_url_leads_to_the_models_page_for_those_who_may_read_it(client_for):
+    """``/adapters/`` (an adapter page's URL without its id) is the models page, where adapters are listed."""
+    assert client_for(None).get("/adapters/")["Location"].startswith("/login/")
+    response = client_for("viewer").get("/adapters/", follow=True)
+    assert response.redirect_chain == [("/models/", 302)]
+    assert response.status_code == 200 and "<h2>Adapters</h2>" in response.content.decode()
+
+
 def test_overview_shows_counts_rounds_rejections_versions_and_activity(pages_world, client_for):
     DeviceEvent.objects.create(
         device=pages_world.devices[0], kind="approved", actor_label="alice", detail={"to": "active"}

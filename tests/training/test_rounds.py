@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import psycopg
 import pytest
 import torch
 from django.db import connection
@@ -370,6 +371,55 @@ def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
     time.sleep(2)
     assert AdapterVersion.objects.filter(round=done).count() == 1
     assert done.stats["deltas"] == 3 == Delta.objects.filter(round=done, state=Delta.State.AGGREGATED).count()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_aggregation_that_finds_the_database_refusing_connections_is_tried_again_and_makes_one_version(
+    trained, celery_worker_process, monkeypatch, make_user
+):
+    """PostgreSQL refusing new connections for a moment (a restart, "too many clients"): the aggregation task
+    is tried again a few seconds later and makes the version, where before it failed and the round waited for
+    beat's rescue (``ROUND_AGGREGATION_RESCUE_SECONDS``)."""
+    adapter, _, devices = trained
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})
+    for i in range(3):
+        receive(devices[i], adapter, make_delta_tensors(adapter, seed=90 + i), counter=1)
+    wait_for(lambda: Delta.objects.filter(state=Delta.State.ACCEPTED).count() == 3)
+    with monkeypatch.context() as patch:  # closed without its task: this test sends it
+        patch.setattr(dispatch, "aggregate_round", lambda round_id: None)
+        round_ = round_close(round_=Round.objects.get(), actor=make_user("operator"))
+    name = connection.settings_dict["NAME"]
+    database = connection.ops.quote_name(name)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        mine = cursor.fetchone()[0]
+    # As a restart looks to a worker: its open connections are ended and new ones refused (said from another
+    # database: PostgreSQL refuses it from the one it applies to). This test's own connection is spared.
+    admin = psycopg.connect(**{**connection.get_connection_params(), "dbname": "postgres"}, autocommit=True)
+    pattern = worker_log("*")  # every worker of this run: another test's may be consuming the queue too
+
+    def logs() -> str:
+        return "".join(path.read_text(errors="replace") for path in pattern.parent.glob(pattern.name))
+
+    try:
+        admin.execute(f"ALTER DATABASE {database} ALLOW_CONNECTIONS false")
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s", [name, mine]
+        )
+        task = aggregate_round.delay(round_.pk)
+        deadline = time.monotonic() + 60
+        while f"{task.id}] retry: Retry in" not in logs():
+            assert time.monotonic() < deadline, fleet_state()
+            time.sleep(0.2)
+        assert Round.objects.get(pk=round_.pk).state == Round.State.AGGREGATING
+    finally:
+        admin.execute(f"ALTER DATABASE {database} ALLOW_CONNECTIONS true")
+        admin.close()
+    done = wait_for(lambda: Round.objects.filter(pk=round_.pk, state=Round.State.COMPLETED).first(), timeout=90)
+    assert AdapterVersion.objects.filter(round=done).count() == 1
+    assert done.stats["deltas"] == 3 == Delta.objects.filter(round=done, state=Delta.State.AGGREGATED).count()
+    retried = [line for line in logs().splitlines() if f"{task.id}] retry: Retry in" in line]
+    assert retried and all("OperationalError" in line for line in retried), retried
 
 
 def test_a_round_whose_strategy_this_code_does_not_know_fails_with_the_reason_and_is_not_queued_again(
