@@ -27,6 +27,7 @@ from training.federation.strategies import get_strategy
 from training.federation.verification import delta_verify
 from training.federation.verify_queue import shard_drain
 from training.models import AdapterVersion, Rollout
+from training.registry.blobs import blob_parts_sweep
 from training.rollouts.lifecycle import rollout_tick, round_result_release
 from training.selectors import deltas_awaiting_rescue
 
@@ -81,7 +82,9 @@ def requeue_unverified_deltas() -> int:
 
 @shared_task(name="training.tasks.expire_staged_uploads", ignore_result=True, time_limit=600, soft_time_limit=550)
 def expire_staged_uploads() -> int:
-    """Discard unfinished uploads no chunk reached for DELTA_STAGED_EXPIRY_SECONDS (and finished ones' leftovers)."""
+    """Discard unfinished uploads no chunk reached for DELTA_STAGED_EXPIRY_SECONDS (and finished ones' leftovers),
+    and blob stores a dead process left unfinished (``blob_parts_sweep``)."""
+    blob_parts_sweep()
     return staged_expire()
 
 

@@ -1,19 +1,36 @@
-"""``blob_put_tensors`` (training/registry/blobs.py): a shard's partial, a span's part and the combined Gram
-matrix are written from the tensors' memory, hashed on the way, and renamed to their hash. The file is the one
-``safetensors.torch.save`` makes, byte for byte, so readers and hashes are unchanged; a failure leaves nothing."""
+"""Blobs on the filesystem (training/registry/blobs.py). ``blob_put_tensors``: a shard's partial, a span's part
+and the combined Gram matrix are written from the tensors' memory, hashed on the way, and renamed to their hash;
+the file is the one ``safetensors.torch.save`` makes, byte for byte, so readers and hashes are unchanged. Every
+store (tensors, bytes, an uploaded file) writes a new file and renames it: a failure part way leaves nothing,
+and no blob's name ever holds part of its bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
+import resource
+import signal
 import stat
+import time
 
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from training.registry.blobs import blob_path, blob_put_tensors, blob_read
+from training.registry.blobs import (
+    CHUNK,
+    PART_MAX_AGE_SECONDS,
+    blob_parts_sweep,
+    blob_path,
+    blob_put_bytes,
+    blob_put_file,
+    blob_put_tensors,
+    blob_read,
+)
+from training.tasks import expire_staged_uploads
 
 
 @pytest.fixture
@@ -83,3 +100,70 @@ def test_a_tensor_that_cannot_be_written_leaves_no_file_and_says_why(root):
     with pytest.raises(TypeError, match="meta"):  # a tensor with no memory to write from
         blob_put_tensors(tensors)
     assert _files(root) == []
+
+
+@contextlib.contextmanager
+def files_limited_to(size: int):
+    """Writes past ``size`` bytes of any file fail (EFBIG, "File too large"), as on a full disk: the process's
+    RLIMIT_FSIZE, SIGXFSZ ignored so that the write fails rather than the process being stopped."""
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("store", ["file", "bytes", "tensors"])
+def test_a_store_that_fails_part_way_leaves_no_blob_and_stores_whole_the_next_time(root, store):
+    """Django's storage wrote into the blob's own name: a write that failed part way left the first bytes there,
+    and every later store of the same bytes took them for the blob (an upload sent again was then refused as
+    not hashing to its signature, forever)."""
+    tensors = {"sums": torch.randn(3 * CHUNK // 8 + 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)}
+    data = save_safetensors(tensors)
+    sha = hashlib.sha256(data).hexdigest()
+    put = {
+        "file": lambda: blob_put_file(io.BytesIO(data), expect_sha256=sha),
+        "bytes": lambda: blob_put_bytes(data, expect_sha256=sha),
+        "tensors": lambda: blob_put_tensors(tensors),
+    }[store]
+    with files_limited_to(2 * CHUNK), pytest.raises(OSError, match="File too large"):
+        put()
+    assert _files(root) == []
+    blob = put()
+    assert blob.stored and blob.sha256 == sha and blob.size == len(data)
+    assert blob_read(sha) == data and _files(root) == [f"{sha[:2]}/{sha}"]
+    assert stat.S_IMODE(os.stat(blob_path(sha)).st_mode) == 0o644
+
+
+def test_bytes_that_are_not_the_signed_ones_are_not_stored(root):
+    data = os.urandom(CHUNK + 1)
+    signed = hashlib.sha256(b"what was signed").hexdigest()
+    for blob in (blob_put_file(io.BytesIO(data), expect_sha256=signed), blob_put_bytes(data, expect_sha256=signed)):
+        assert not blob.stored and blob.sha256 == hashlib.sha256(data).hexdigest() and blob.size == len(data)
+    assert _files(root) == []
+
+
+def test_bytes_and_files_are_stored_once_under_their_hash(root):
+    data = os.urandom(2 * CHUNK)
+    first, again = blob_put_bytes(data), blob_put_file(io.BytesIO(data))
+    empty = blob_put_bytes(b"")
+    assert first == again and blob_read(first.sha256) == data and blob_read(empty.sha256) == b""
+    assert _files(root) == sorted(f"{b.sha256[:2]}/{b.sha256}" for b in (first, empty))
+
+
+def test_the_sweep_removes_the_files_of_stores_a_dead_process_left_and_nothing_else(root):
+    """A process killed while it writes (SIGKILL: no handler runs) leaves its ``.part-*`` file; beat's hourly
+    sweep (``expire_staged_uploads``) removes such files once an hour old, never a blob or a store in progress."""
+    blob = blob_put_bytes(b"a version")
+    old, fresh = root / ".part-0123456789abcdef", root / ".part-fedcba9876543210"
+    for path in (old, fresh):
+        path.write_bytes(b"the first bytes of a blob")
+    hour_ago = time.time() - PART_MAX_AGE_SECONDS - 1
+    os.utime(old, (hour_ago, hour_ago))
+    expire_staged_uploads()  # as beat runs it, with the staging folder's sweep
+    assert _files(root) == sorted([fresh.name, f"{blob.sha256[:2]}/{blob.sha256}"])
+    assert blob_parts_sweep(now=time.time() + PART_MAX_AGE_SECONDS) == 1  # the other, an hour on
+    assert _files(root) == [f"{blob.sha256[:2]}/{blob.sha256}"] and blob_read(blob.sha256) == b"a version"

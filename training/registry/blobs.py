@@ -1,7 +1,9 @@
 """Content-addressed blobs (base weights, adapter versions, deltas) through Django's storage API.
 
 A blob is stored once under ``<sha[:2]>/<sha>``; writing the same bytes again is a no-op. The storage is
-the ``blobs`` alias: the filesystem by default, S3-compatible storage when configured.
+the ``blobs`` alias: the filesystem by default, S3-compatible storage when configured. On the filesystem a blob
+is written to a new file beside the blobs and renamed to its hash once all of it is there (``_put_local``), so a
+blob's name never holds part of its bytes, whatever stops the write.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import mmap
 import os
 import secrets
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -54,6 +57,63 @@ def blob_name(sha256: str) -> str:
     return f"{sha256[:2]}/{sha256}"
 
 
+def _local_root(storage) -> str | None:
+    """The storage's folder when it keeps local files (the filesystem), else None (S3)."""
+    try:
+        return storage.path("")
+    except NotImplementedError:
+        return None
+
+
+def _folder(storage, path: str) -> None:
+    """``path``'s folder made as the storage makes its folders."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, exist_ok=True)
+        if storage.directory_permissions_mode is not None:
+            os.chmod(folder, storage.directory_permissions_mode)
+
+
+def _put_local(storage, root: str, pieces: Iterable, *, expect_sha256: str | None = None) -> Blob:
+    """Write ``pieces`` (bytes-like, in order) into a new file in the blob folder, hashing each as it is written,
+    then rename the file to its hash: a blob's name only ever holds all of its bytes. Where the write fails part
+    way (a full disk, an I/O error, a reader that raises), or the bytes do not hash to ``expect_sha256``, the file
+    is removed and no blob is stored. Django's storage wrote into the blob's own name, so a failure left a
+    truncated file there, which every later store of the same bytes took for the blob."""
+    temporary = os.path.join(root, f".part-{secrets.token_hex(8)}")  # beside the blobs: one rename
+    _folder(storage, temporary)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(temporary, "xb") as handle:
+            for piece in pieces:
+                digest.update(piece)
+                handle.write(piece)
+                size += len(piece)
+        sha = digest.hexdigest()
+        if expect_sha256 is not None and sha != expect_sha256:
+            os.unlink(temporary)
+            return Blob(sha256=sha, size=size, stored=False)
+        final = storage.path(blob_name(sha))
+        if os.path.exists(final):
+            os.unlink(temporary)
+        else:
+            _folder(storage, final)
+            if storage.file_permissions_mode is not None:
+                os.chmod(temporary, storage.file_permissions_mode)
+            os.replace(temporary, final)  # the same name holds the same bytes, whoever renames first
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    return Blob(sha256=sha, size=size)
+
+
+def _pieces(data) -> Iterator[memoryview]:
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), CHUNK):
+        yield view[start : start + CHUNK]
+
+
 def blob_put_bytes(data: bytes, *, expect_sha256: str | None = None) -> Blob:
     """Store ``data`` under its hash; with ``expect_sha256``, only if it hashes to that."""
     sha = hashlib.sha256(data).hexdigest()
@@ -62,15 +122,23 @@ def blob_put_bytes(data: bytes, *, expect_sha256: str | None = None) -> Blob:
     name = blob_name(sha)
     storage = _storage()
     if not storage.exists(name):
+        root = _local_root(storage)
+        if root is not None:
+            return _put_local(storage, root, _pieces(data), expect_sha256=sha)
         storage.save(name, ContentFile(data))
     return Blob(sha256=sha, size=len(data))
 
 
 def blob_put_file(handle: BinaryIO, *, expect_sha256: str | None = None) -> Blob:
-    """Hash a file while reading it once, then store it under its hash (streams, never all in memory); with
-    ``expect_sha256``, only if it hashes to that (bytes that are not what was signed are never stored)."""
-    digest, size = hashlib.sha256(), 0
+    """Store a file under its hash, reading it once (streams, never all in memory); with ``expect_sha256``,
+    only if it hashes to that (bytes that are not what was signed are never stored). On the filesystem it is
+    hashed while it is copied; elsewhere (S3) hashed first, then sent."""
+    storage = _storage()
+    root = _local_root(storage)
     handle.seek(0)
+    if root is not None:
+        return _put_local(storage, root, iter(lambda: handle.read(CHUNK), b""), expect_sha256=expect_sha256)
+    digest, size = hashlib.sha256(), 0
     while chunk := handle.read(CHUNK):
         digest.update(chunk)
         size += len(chunk)
@@ -78,7 +146,6 @@ def blob_put_file(handle: BinaryIO, *, expect_sha256: str | None = None) -> Blob
     if expect_sha256 is not None and sha != expect_sha256:
         return Blob(sha256=sha, size=size, stored=False)
     name = blob_name(sha)
-    storage = _storage()
     if not storage.exists(name):
         handle.seek(0)
         storage.save(name, File(handle))
@@ -104,13 +171,10 @@ def _safetensors_header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[s
     return len(text).to_bytes(8, "little") + text, order
 
 
-def _folder(storage, path: str) -> None:
-    """``path``'s folder made as the storage makes its folders."""
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        os.makedirs(folder, exist_ok=True)
-        if storage.directory_permissions_mode is not None:
-            os.chmod(folder, storage.directory_permissions_mode)
+def _tensor_pieces(head: bytes, tensors: dict[str, torch.Tensor], order: list[str]) -> Iterator:
+    yield head
+    for name in order:
+        yield from _pieces(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def blob_put_tensors(tensors: dict[str, torch.Tensor]) -> Blob:
@@ -122,40 +186,32 @@ def blob_put_tensors(tensors: dict[str, torch.Tensor]) -> Blob:
     (a shard's float64 partial of a 10M adapter is 80 MiB; bench/README.md, "aggregation.py"). Other dtypes, and
     storages without local files (S3), take ``blob_put_bytes``."""
     storage = _storage()
-    try:
-        root = storage.path("")
-    except NotImplementedError:  # no local files (S3)
-        root = None
+    root = _local_root(storage)
     if root is None or not tensors or any(t.dtype not in _STREAMED for t in tensors.values()):
         return blob_put_bytes(save_safetensors({name: tensor.contiguous() for name, tensor in tensors.items()}))
     head, order = _safetensors_header(tensors)
-    temporary = os.path.join(root, f".part-{secrets.token_hex(8)}")  # beside the blobs: one rename
-    _folder(storage, temporary)
-    digest, size = hashlib.sha256(head), len(head)
-    try:
-        with open(temporary, "xb") as handle:
-            handle.write(head)
-            for name in order:
-                data = memoryview(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
-                for start in range(0, len(data), CHUNK):
-                    piece = data[start : start + CHUNK]
-                    digest.update(piece)
-                    handle.write(piece)
-                size += len(data)
-        sha = digest.hexdigest()
-        final = storage.path(blob_name(sha))
-        if os.path.exists(final):
-            os.unlink(temporary)
-        else:
-            _folder(storage, final)
-            if storage.file_permissions_mode is not None:
-                os.chmod(temporary, storage.file_permissions_mode)
-            os.replace(temporary, final)  # the same name holds the same bytes, whoever renames first
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    return Blob(sha256=sha, size=size)
+    return _put_local(storage, root, _tensor_pieces(head, tensors, order))
+
+
+# A store writes its file without pause (seconds for the largest blob); one this old was left by a process that
+# died while writing (SIGKILL, a machine that stopped), which no error handler could remove.
+PART_MAX_AGE_SECONDS = 3600
+
+
+def blob_parts_sweep(now: float | None = None) -> int:
+    """Remove the files of stores left unfinished (``.part-*`` in the blob folder, older than
+    PART_MAX_AGE_SECONDS); how many. Beat runs it with the staging folder's sweep. Nothing on S3."""
+    root = _local_root(_storage())
+    if root is None or not os.path.isdir(root):
+        return 0
+    now, removed = now or time.time(), 0
+    for entry in os.scandir(root):
+        if entry.name.startswith(".part-") and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                if now - entry.stat(follow_symlinks=False).st_mtime >= PART_MAX_AGE_SECONDS:
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
 
 
 def blob_delete(sha256: str) -> None:
