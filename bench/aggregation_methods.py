@@ -261,7 +261,10 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
     else:
         from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
         from training.federation.strategies import DeltaInput, get_strategy
-        from training.registry.blobs import blob_path, blob_put_tensors  # loaded already, by verification above
+
+        # In the function, as every product import here: the training package needs Django set up first
+        # (django_for_product above); loaded already, by verification's import, so nothing is timed.
+        from training.registry.blobs import blob_path, blob_put_tensors
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
@@ -317,7 +320,8 @@ def method_two(job, size, envelopes) -> dict:
     if job["method"] == "floor_2proc":
         parts = [list(range(0, n // 2)), list(range(n // 2, n))]
     else:
-        # the chord callback's imports too, before the clock: a running Celery worker has them loaded
+        # In the function, as every product import here (the floor's processes never load torch or the product);
+        # before the clock, with the chord callback's imports: a running Celery worker has them loaded.
         from safetensors import safe_open
 
         from training.federation.strategies import get_strategy, shards

@@ -74,22 +74,26 @@ def _folder(storage, path: str) -> None:
             os.chmod(folder, storage.directory_permissions_mode)
 
 
-def _put_local(storage, root: str, pieces: Iterable, *, expect_sha256: str | None = None) -> Blob:
-    """Write ``pieces`` (bytes-like, in order) into a new file in the blob folder, hashing each as it is written,
-    then rename the file to its hash: a blob's name only ever holds all of its bytes. Where the write fails part
-    way (a full disk, an I/O error, a reader that raises), or the bytes do not hash to ``expect_sha256``, the file
-    is removed and no blob is stored. Django's storage wrote into the blob's own name, so a failure left a
-    truncated file there, which every later store of the same bytes took for the blob."""
+def _put_local(
+    storage, root: str, pieces: Iterable, *, expect_sha256: str | None = None, sha256: str | None = None
+) -> Blob:
+    """Write ``pieces`` (bytes-like, in order) into a new file in the blob folder, hashing each as it is written
+    (unless their ``sha256`` is known already), then rename the file to its hash: a blob's name only ever holds all
+    of its bytes. Where the write fails part way (a full disk, an I/O error, a reader that raises), or the bytes do
+    not hash to ``expect_sha256``, the file is removed and no blob is stored. Django's storage wrote into the
+    blob's own name, so a failure left a truncated file there, which every later store of the same bytes took for
+    the blob."""
     temporary = os.path.join(root, f".part-{secrets.token_hex(8)}")  # beside the blobs: one rename
     _folder(storage, temporary)
-    digest, size = hashlib.sha256(), 0
+    digest, size = (None if sha256 else hashlib.sha256()), 0
     try:
         with open(temporary, "xb") as handle:
             for piece in pieces:
-                digest.update(piece)
+                if digest is not None:
+                    digest.update(piece)
                 handle.write(piece)
                 size += len(piece)
-        sha = digest.hexdigest()
+        sha = sha256 or digest.hexdigest()
         if expect_sha256 is not None and sha != expect_sha256:
             os.unlink(temporary)
             return Blob(sha256=sha, size=size, stored=False)
@@ -124,7 +128,7 @@ def blob_put_bytes(data: bytes, *, expect_sha256: str | None = None) -> Blob:
     if not storage.exists(name):
         root = _local_root(storage)
         if root is not None:
-            return _put_local(storage, root, _pieces(data), expect_sha256=sha)
+            return _put_local(storage, root, _pieces(data), sha256=sha)  # hashed above: not again
         storage.save(name, ContentFile(data))
     return Blob(sha256=sha, size=len(data))
 
