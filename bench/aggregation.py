@@ -13,12 +13,13 @@ method starts after one untimed read of all of them): the figures are CPU and me
   ``training/federation/verification.py`` instead reads the whole file and ``load_safetensors`` it), then
   ``get_strategy("fedavg").aggregate``. ``verify_fedavg_product`` runs the product's own
   ``_check_contents`` on the whole file instead (Django configured with unreachable services; no query).
-- ``verify_fedavg_2w``: 2 spawned processes (standing in for 2 Celery workers of a chord), each verifying
-  and computing the fedavg ``partial`` of half the shards (the product's: ``shard_size`` 64, the default, and two
-  workers, cut by ``training.federation.strategies.shards``: one shard per worker up to 2,048 deltas), the
-  partials stored as safetensors files and ``combine``d by the parent in shard order; ``..._balanced`` uses
-  ``shard_size = ceil(N / 2)`` (the same cut since one shard per worker is the product's; kept to compare
-  with earlier tables).
+- ``verify_fedavg_2w``: 2 spawned processes (standing in for 2 Celery workers of the product's chord): each
+  verifies half the deltas, then (once both have: the round closes when its deltas are verified) computes the
+  fedavg of its coordinate span of every delta (``span_partial``: the product's split of a mean round
+  without DP, one span per worker) and stores it as a blob; the parent joins the spans (``assemble``).
+  ``verify_fedavg_2w_shards``: the product's split of a mean round with DP (without the noise): each verifies
+  and sums one shard of deltas (``shard_size`` 64, two workers: one shard each up to 2,048 deltas) into
+  float64 partial sums, stored as blobs and ``combine``d by the parent in shard order.
 - ``median``, ``trimmed_mean`` (0.1), ``krum``, ``multi_krum``: ours, default params, no verification;
   ``krum_nnm``: Krum with nearest-neighbour mixing, what an adapter's ``krum`` runs unless told not to.
 - ``flower_*``: ``flwr.server.strategy.aggregate``'s functions on the same deltas loaded as lists of numpy
@@ -57,8 +58,8 @@ METHODS = {
     "floor_2proc": "floor, 2 processes",
     "verify_fedavg": "ours: verification (streaming) + fedavg, 1 worker",
     "verify_fedavg_product": "ours: verification as in training/federation/verification.py + fedavg, 1 worker",
-    "verify_fedavg_2w": "ours: verification + fedavg, 2 workers (shard_size 64, a shard per worker)",
-    "verify_fedavg_2w_balanced": "ours: verification + fedavg, 2 workers (shard_size ⌈N/2⌉)",
+    "verify_fedavg_2w": "ours: verification + fedavg, 2 workers (a coordinate span each, as without DP)",
+    "verify_fedavg_2w_shards": "ours: verification + fedavg, 2 workers (a shard of deltas each, as with DP)",
     "median": "ours: median",
     "trimmed_mean": "ours: trimmed_mean (0.1)",
     "krum": "ours: krum",
@@ -211,11 +212,13 @@ def notes(method: str, row: dict) -> str:
     if "load_seconds" in row:
         parts.append(f"load {row['load_seconds']:.2f} s")
     if "combine_seconds" in row:
-        shards = " + ".join(str(sum(p)) for p in row["shards_per_worker"])
+        shards = " + ".join(str(count) for count in row["deltas_per_worker"])
         took = " / ".join(
             f"{w['seconds']:.2f}"
             + (
-                f" (verify {w['verify_seconds']:.2f}, sum {w['partial_seconds']:.2f}"
+                f" (verify {w['verify_seconds']:.2f}"
+                + (f", wait {w['wait_seconds']:.2f}" if w.get("wait_seconds") else "")
+                + f", sum {w['partial_seconds']:.2f}"
                 + (f", store {w['store_seconds']:.2f}" if "store_seconds" in w else "")
                 + ")"
                 if "verify_seconds" in w
@@ -223,7 +226,7 @@ def notes(method: str, row: dict) -> str:
             )
             for w in row["workers"]
         )
-        parts.append(f"deltas per worker {shards} took {took} s, combine {row['combine_seconds']:.2f} s")
+        parts.append(f"deltas verified per worker {shards} took {took} s, combine {row['combine_seconds']:.2f} s")
     if method == "floor_2proc":
         parts.append("workers took " + " / ".join(f"{w['seconds']:.2f}" for w in row["workers"]) + " s")
     if row.get("parent_peak_mib") and method != "floor_2proc":
@@ -277,10 +280,12 @@ def footer(size: Size, rows: dict[str, dict]) -> list[str]:
             f"- fedavg with verification >= 70% of the floor per worker: {ratio:.0%} → {verdict(ratio >= 0.7)}"
         )
     if one and two:
-        balanced = _speed(rows, "verify_fedavg_2w_balanced")
+        by_shards = _speed(rows, "verify_fedavg_2w_shards")
         floor2 = _speed(rows, "floor_2proc")
-        extra = f" (one shard per worker {balanced / one:.2f}x" if balanced else " ("
-        extra += f"; the floor itself gets {floor2 / floor:.2f}x from 2 processes)" if floor2 and floor else ")"
+        said = [f"by shards of deltas, as with DP: {by_shards / one:.2f}x"] if by_shards else []
+        if floor2 and floor:
+            said.append(f"the floor itself gets {floor2 / floor:.2f}x from 2 processes")
+        extra = f" ({'; '.join(said)})" if said else ""
         lines.append(f"- ~2x with two workers: {two / one:.2f}x{extra} → {verdict(two / one >= 1.8)}")
     for ours in ("median", "trimmed_mean"):
         mine, theirs = _speed(rows, ours), _speed(rows, f"flower_{ours}")

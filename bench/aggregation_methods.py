@@ -234,8 +234,11 @@ def partials_root(size) -> Path:
     return TMP / size.label / "partials"
 
 
-def _worker(job: dict, part: list, ready, go, results) -> None:
-    """One stand-in Celery worker: imports, says ready, waits for the start, does its part, reports."""
+def _worker(job: dict, part, ready, go, results, closed, stopped) -> None:
+    """One stand-in Celery worker: imports, says ready, waits for the start, does its part, reports. ``part``:
+    the floor's files; the shards it verifies and sums (``verify_fedavg_2w_shards``); or the deltas it verifies
+    and its coordinate span (``verify_fedavg_2w``), summed once every delta is verified (``closed``, a barrier:
+    the round closes when its deltas are verified)."""
     size = parse_size(job["size"])
     envelopes = sidecars(size)
     if job["method"].startswith("floor"):
@@ -268,23 +271,41 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
-        out["verify_seconds"] = out["partial_seconds"] = out["store_seconds"] = 0.0
-        for shard_index, members in part:
-            inputs = []
+        out["verify_seconds"] = out["partial_seconds"] = out["store_seconds"] = out["wait_seconds"] = 0.0
+        norms = {}
+
+        def verify(members) -> None:
             verifying = time.perf_counter()
             for i in members:
-                norm = verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
-                inputs.append(DeltaInput(paths[i], num_samples(i), 0, norm))
+                norms[i] = verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
             out["verify_seconds"] += time.perf_counter() - verifying
-            summing = time.perf_counter()
-            sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
-            out["partial_seconds"] += time.perf_counter() - summing
-            # as training.federation.aggregation.shard_partial: the float64 sums stored as a new blob, named by
-            # its hash, through the product's own code
+
+        def store(tensors) -> str:
             storing = time.perf_counter()
-            blob = blob_put_tensors(sums)
+            blob = blob_put_tensors(tensors)  # as the product's tasks: a new blob, named by its hash
             out["store_seconds"] += time.perf_counter() - storing
-            out["partials"].append((shard_index, blob_path(blob.sha256), weight))
+            return str(blob_path(blob.sha256))
+
+        if job["method"] == "verify_fedavg_2w":  # as training.federation.aggregation.span_values
+            members, span = part
+            verify(members)
+            waiting = time.perf_counter()
+            closed.wait()
+            out["wait_seconds"] = time.perf_counter() - waiting
+            summing = time.perf_counter()
+            # every delta's norm is the server's (verification stored it); with no clip_norm none is read
+            inputs = [DeltaInput(paths[i], num_samples(i), 0, norms.get(i)) for i in range(size.n)]
+            values = strategy.span_partial(inputs, spec=spec, params=job["params"], span=span)
+            out["partial_seconds"] = time.perf_counter() - summing
+            out["partials"].append((span[0], store({"part": values}), None))
+        else:  # as training.federation.aggregation.shard_partial (the mean family with DP)
+            for shard_index, members in part:
+                verify(members)
+                summing = time.perf_counter()
+                inputs = [DeltaInput(paths[i], num_samples(i), 0, norms[i]) for i in members]
+                sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
+                out["partial_seconds"] += time.perf_counter() - summing
+                out["partials"].append((shard_index, store(sums), weight))
     out.update(
         seconds=time.perf_counter() - start,
         cpu_seconds=cpu_seconds() - cpu,
@@ -293,6 +314,7 @@ def _worker(job: dict, part: list, ready, go, results) -> None:
         count=len(part),
     )
     results.put(out)
+    stopped.wait()  # until the clock has stopped, as a Celery worker stays up: its exit is no part of the chord
 
 
 # What each stand-in worker reports: its wall and CPU time, memory, shards, and (ours) its verification and sum.
@@ -303,16 +325,21 @@ WORKER_FIGURES = (
     "rss_peak",
     "count",
     "verify_seconds",
+    "wait_seconds",
     "partial_seconds",
     "store_seconds",
 )
 
 
 def method_two(job, size, envelopes) -> dict:
-    """Two spawned processes each take half the work (the floor: half the files; ours: the verification
-    and fedavg ``partial`` of half the shards), then this process ``combine``s the partials in shard
-    order, mapping them as ``training.federation.aggregation.combine_partials`` does. Timed from the start signal
-    (both workers already imported, like running Celery workers) to the combined result."""
+    """Two spawned processes each take half the work, as two Celery workers of the product's chord: the floor,
+    half the files; ``verify_fedavg_2w`` (the mean family without DP), the verification of half the deltas,
+    then, once all are verified, the fedavg of half the coordinates of every delta, the spans' values joined by
+    this process (``assemble``, reading each part as ``training.federation.aggregation._part`` does);
+    ``verify_fedavg_2w_shards`` (the mean family with DP, without the noise), the verification and ``partial``
+    of one shard of deltas each, ``combine``d here in shard order, each partial mapped as
+    ``training.federation.aggregation.partial_sums`` does. Timed from the start signal (both workers already
+    imported, like running Celery workers) to the combined result."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -324,16 +351,23 @@ def method_two(job, size, envelopes) -> dict:
         # before the clock, with the chord callback's imports: a running Celery worker has them loaded.
         from safetensors import safe_open
 
-        from training.federation.strategies import get_strategy, shards
+        from training.federation.strategies import DeltaInput, get_strategy, shards
 
-        shard_size = math.ceil(n / 2) if job["method"].endswith("balanced") else 64
-        job = {**job, "params": {"shard_size": shard_size}}
-        layout_ = list(enumerate(shards(list(range(n)), shard_size, 2)))
-        half = math.ceil(len(layout_) / 2)
-        parts = [layout_[:half], layout_[half:]]
+        job = {**job, "params": {}}  # the defaults: shard_size 64, two workers
+        halves = [list(range(0, n // 2)), list(range(n // 2, n))]
+        if job["method"] == "verify_fedavg_2w":
+            spans = get_strategy("fedavg").spans(None, spec=spec_of(size), params=job["params"])
+            parts = list(zip(halves, spans, strict=True))
+        else:
+            layout_ = list(enumerate(shards(list(range(n)), 64, 2)))
+            half = math.ceil(len(layout_) / 2)
+            parts = [layout_[:half], layout_[half:]]
     shutil.rmtree(partials_root(size), ignore_errors=True)
-    ready, results, go = context.Queue(), context.Queue(), context.Event()
-    workers = [context.Process(target=_worker, args=(job, part, ready, go, results)) for part in parts]
+    ready, results, go, stopped = context.Queue(), context.Queue(), context.Event(), context.Event()
+    closed = context.Barrier(len(parts))
+    # daemons: should this process fail before ``stopped``, its exit ends them rather than waiting for them
+    args = [(job, part, ready, go, results, closed, stopped) for part in parts]
+    workers = [context.Process(target=_worker, args=a, daemon=True) for a in args]
     for worker in workers:
         worker.start()
     for _ in workers:
@@ -344,29 +378,43 @@ def method_two(job, size, envelopes) -> dict:
     out: dict = {}
     result = None
     if job["method"] != "floor_2proc":
-
-        def mapped(path: str) -> dict:  # as training.federation.aggregation.partial_sums: the file mapped
-            with safe_open(path, framework="pt") as handle:
-                return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-
         combined_start = time.perf_counter()
         partials = sorted(p for o in outs for p in o["partials"])
-        loaded = ((mapped(path), float(weight)) for _, path, weight in partials)
-        result = get_strategy("fedavg").combine(loaded, spec=spec_of(size), base=None, params=job["params"])
+        strategy = get_strategy("fedavg")
+        if job["method"] == "verify_fedavg_2w":
+            first = str(size.paths()[0])  # the coordinate order is the first delta's
+
+            def part(path: str):  # as _part: the file mapped
+                with safe_open(path, framework="pt") as handle:
+                    return handle.get_tensor("part")
+
+            values = (part(path) for _, path, _ in partials)
+            inputs = [DeltaInput(first, 1)]
+            result = strategy.assemble(values, spec=spec_of(size), inputs=inputs)
+        else:
+
+            def mapped(path: str) -> dict:  # as partial_sums: the file mapped
+                with safe_open(path, framework="pt") as handle:
+                    return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+
+            loaded = ((mapped(path), float(weight)) for _, path, weight in partials)
+            result = strategy.combine(loaded, spec=spec_of(size), base=None, params=job["params"])
         out["combine_seconds"] = time.perf_counter() - combined_start
     # the clock stops at the combined result (saving it and comparing it with 1 worker's are the bench's)
     out.update(
         seconds=time.perf_counter() - start, cpu_seconds=cpu_seconds() - cpu + sum(o["cpu_seconds"] for o in outs)
     )
+    stopped.set()
     if result is not None:
         save_result(size.label, job["method"], result)
         reference = load_result(size.label, "verify_fedavg")
         if reference is not None:
-            exact = not job["method"].endswith("balanced")
+            exact = job["method"] == "verify_fedavg_2w"  # shards add in another order than one pass
             out.update(compare(reference, {k: v.numpy() for k, v in result.items()}, exact=exact, against="1 worker"))
-        out["shards_per_worker"] = [[len(members) for _, members in part] for part in parts]
+        by_span = job["method"] == "verify_fedavg_2w"
+        out["deltas_per_worker"] = [len(part[0]) if by_span else sum(len(m) for _, m in part) for part in parts]
     out["workers"] = [{k: o[k] for k in WORKER_FIGURES if k in o} for o in outs]
-    for worker in workers:  # after the clock: Celery workers stay up, a process exiting is not the chord's cost
+    for worker in workers:  # after the clock (``stopped``)
         worker.join()
     return out
 
@@ -455,7 +503,7 @@ def main() -> None:
         start, cpu = time.perf_counter(), cpu_seconds()
         floor_pass([str(p) for p in size.paths()], envelopes)
         out = {"seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu}
-    elif method in ("floor_2proc", "verify_fedavg_2w", "verify_fedavg_2w_balanced"):
+    elif method in ("floor_2proc", "verify_fedavg_2w", "verify_fedavg_2w_shards"):
         out = method_two(job, size, envelopes)
     elif method in ("verify_fedavg", "verify_fedavg_product"):
         out = method_verify_fedavg(job, size, envelopes, product=method == "verify_fedavg_product")

@@ -436,8 +436,9 @@ CELERY_BEAT_SCHEDULE["requeue-unverified-deltas"] = {
 # Working memory of a robust aggregation rule's coordinate blocks (median, trimmed mean, Krum): blocks shrink
 # as a round's N grows, so a worker's memory stays within this whatever the round's size.
 AGGREGATION_MEMORY_BUDGET_MB = env_int("AGGREGATION_MEMORY_BUDGET_MB", 512, minimum=16)
-# The worker processes a large round of the mean family is split across, one shard of deltas each (all workers'
-# processes together: containers x concurrency). Default: WORKER_CONCURRENCY, as `make run` starts one worker.
+# The worker processes a large round of the mean family is split across, one span of coordinates each (with DP,
+# one shard of deltas each; all workers' processes together: containers x concurrency). Default:
+# WORKER_CONCURRENCY, as `make run` starts one worker.
 AGGREGATION_WORKERS = env_int(
     "AGGREGATION_WORKERS", env_int("WORKER_CONCURRENCY", min(os.cpu_count() or 1, 2), minimum=1), minimum=1
 )

@@ -108,7 +108,7 @@ def aggregate_round(round_id: int) -> int | None:
         if plan.shards is not None:
             chord(aggregate_shard.s(round_id, ids) for ids in plan.shards)(combine_shards.s(round_id))
             return None
-        if plan.spans is not None:  # a robust rule: each task reads its coordinate span of every delta
+        if plan.spans is not None:  # each task reads its coordinate span of every delta
             if plan.gram:
                 chord(aggregate_span.s(round_id, span, "gram") for span in plan.spans)(
                     combine_spans.s(round_id, "gram")

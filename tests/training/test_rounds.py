@@ -175,31 +175,6 @@ def test_a_real_worker_aggregates_a_full_round_into_the_fedavg_of_its_deltas(tra
     assert "eval_accuracy" in result.metrics  # digits-cnn has a server evaluation set
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_sharded_round_on_a_chord_equals_one_workers_result(trained, celery_worker_process, settings):
-    from training.federation.aggregation import round_aggregate
-
-    adapter, version, devices = trained
-    adapter_set_aggregation(
-        adapter=adapter, actor=None, aggregation={"buffer_size": 5, "min_deltas": 1, "shard_size": 2}
-    )
-    # Opened here, with three aggregation workers: fixed in the round's params, so every process cuts alike.
-    settings.AGGREGATION_WORKERS = 3
-    round_open(adapter=adapter)
-    for i in range(5):
-        receive(devices[i], adapter, make_delta_tensors(adapter, seed=40 + i), counter=1, samples=3 + i)
-    sharded = wait_for(lambda: AdapterVersion.objects.filter(round__isnull=False).first())
-    round_ = Round.objects.get()
-    assert round_.params["workers"] == 3
-    assert round_.stats["shards"] == 3  # 5 deltas over 2: one shard per worker, 1 + 2 + 2
-    # The same round, aggregated again on one worker (this process), gives the very same bytes.
-    Round.objects.filter(pk=round_.pk).update(state=Round.State.AGGREGATING)
-    AdapterVersion.objects.filter(pk=sharded.pk).update(round=None)
-    Delta.objects.filter(round=round_).update(state="accepted")
-    single = round_aggregate(round_id=round_.pk)
-    assert single.blob_sha256 == sharded.blob_sha256
-
-
 @pytest.fixture(scope="module")
 def two_more_workers(celery_worker_process, shared_blob_root):
     """Two more real Celery workers (one process each) beside the session's: a chord's tasks spread over
@@ -210,6 +185,65 @@ def two_more_workers(celery_worker_process, shared_blob_root):
     yield started
     for process in started:
         stop_worker(process)
+
+
+def five_deltas_on_three_workers(trained, settings, *, seed: int, aggregation: dict, dp: dict | None = None):
+    """A round of five deltas with ``shard_size`` 2, opened with three aggregation workers (fixed in the round's
+    params, so every process cuts alike) and aggregated by the real workers: ``(version, round)``."""
+    adapter, _, devices = trained
+    aggregation = {**aggregation, "buffer_size": 5, "min_deltas": 1, "shard_size": 2}
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation=aggregation, dp=dp)
+    settings.AGGREGATION_WORKERS = 3
+    round_open(adapter=adapter)
+    for i in range(5):
+        receive(devices[i], adapter, make_delta_tensors(adapter, seed=seed + i), counter=1, samples=3 + i)
+    made = wait_for(lambda: AdapterVersion.objects.filter(round__isnull=False).first())
+    round_ = Round.objects.get()
+    assert round_.params["workers"] == 3 and round_.state == Round.State.COMPLETED
+    assert AdapterVersion.objects.filter(round=round_).count() == 1
+    return made, round_
+
+
+def plan_as_closed(round_: Round):
+    """The round's plan with its deltas as they were when it closed (accepted): what its chord ran."""
+    from training.federation.aggregation import round_deltas, round_plan
+
+    Delta.objects.filter(round=round_).update(state="accepted")
+    return round_plan(round_, round_deltas(round_))
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbuff"])
+def test_a_mean_round_split_by_coordinates_across_workers_equals_one_workers_result(
+    trained, two_more_workers, settings, strategy
+):
+    """Without DP, a mean round over more deltas than a shard runs as a chord of coordinate spans, one per
+    aggregation worker (each task reads its span of every delta and stores that span's float32 values): the
+    version's bytes are those of the same round aggregated on one worker."""
+    from training.federation.aggregation import round_aggregate
+
+    spread, round_ = five_deltas_on_three_workers(trained, settings, seed=40, aggregation={"strategy": strategy})
+    assert round_.stats["shards"] == 3 and 1 <= round_.stats["workers"] <= 3
+    plan = plan_as_closed(round_)
+    assert plan.shards is None and len(plan.spans) == 3 and not plan.gram
+    # The same round, aggregated again on one worker (this process), gives the very same bytes.
+    Round.objects.filter(pk=round_.pk).update(state=Round.State.AGGREGATING)
+    AdapterVersion.objects.filter(pk=spread.pk).update(round=None)
+    single = round_aggregate(round_id=round_.pk)
+    assert single.blob_sha256 == spread.blob_sha256
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dp_round_is_split_by_shards_of_deltas(trained, two_more_workers, settings):
+    """With server-side DP the noise is drawn once for the whole sum, so a round over more deltas than a shard
+    runs as a chord of shards of deltas (float64 partial sums, combined in shard order, then noised), not of
+    coordinate spans: one version, from the three shards."""
+    dp = {"enabled": True, "noise_multiplier": 0.5, "epsilon_budget": 1000.0, "sample_rate": 1.0}
+    released, round_ = five_deltas_on_three_workers(trained, settings, seed=50, aggregation={}, dp=dp)
+    assert "dp" in round_.params and round_.stats["shards"] == 3
+    plan = plan_as_closed(round_)
+    assert plan.spans is None and [len(ids) for ids in plan.shards] == [1, 2, 2]
+    assert released.blob_sha256 != trained[1].blob_sha256
 
 
 @pytest.mark.django_db(transaction=True)

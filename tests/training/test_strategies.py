@@ -32,6 +32,8 @@ from tests.training.strategy_support import (
 from training.federation.strategies import STRATEGIES, DeltaInput, get_strategy, shards
 from training.federation.strategies.mean import _all_finite
 
+TOTAL = sum(math.prod(entry["shape"]) for entry in SPEC.values())  # the spec's coordinates
+
 
 def test_registry_names_every_strategy_and_refuses_unknown_ones():
     assert set(STRATEGIES) == set(ALL)
@@ -51,17 +53,71 @@ def test_fedavg_is_the_sample_weighted_mean(tmp_path):
     assert_same(run("fedavg", inputs), weighted_reference(inputs, [1, 10, 3, 7, 100]))
 
 
-def test_fedavg_sharded_is_bit_identical_to_one_shard_and_to_a_chord(tmp_path):
+@pytest.mark.parametrize("name", ["fedavg", "fedbuff", "ffa_lora"])
+def test_a_mean_without_dp_split_by_coordinates_is_the_bytes_of_one_pass_and_of_a_chord(tmp_path, name):
+    """Spans computed apart (here in reverse order, as a chord's tasks may finish), joined in span order, give
+    the bytes of ``aggregate``, whatever the span count; over deltas in another tensor order or lacking keys,
+    with weights that are not whole and values of mixed scale (so the order of additions would show), and
+    with clipping."""
+    strategy = get_strategy(name)
+    gen = torch.Generator().manual_seed(11)
+    inputs = make_inputs(tmp_path, 6, staleness=[0, 1, 3, 2, 7, 0], skip=A_KEYS if name == "ffa_lora" else ())
+    reordered = dict(reversed(list(rand_tensors(gen, scale=1e4, skip=A_KEYS).items())))  # other order, no lora_A
+    inputs.append(DeltaInput(write(tmp_path, "reordered", reordered), 5, 2))
+    for params in ({}, {"clip_norm": 20.0}):
+        assert strategy.by_coordinates(params)
+        whole = run(name, inputs, params)
+        for workers in (1, 2, 3, 7):
+            spans = strategy.spans(inputs, spec=SPEC, params={**params, "workers": workers})
+            assert len(spans) == workers and spans[0][0] == 0 and spans[-1][1] == TOTAL
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+            parts = [strategy.span_partial(inputs, spec=SPEC, params=params, span=span) for span in reversed(spans)]
+            assert all(part.dtype == torch.float32 for part in parts)
+            joined = strategy.assemble(iter(parts[::-1]), spec=SPEC, inputs=inputs)
+            assert list(joined) == list(SPEC) and all(torch.equal(joined[k], whole[k]) for k in SPEC)
+            assert len({joined[k].data_ptr() for k in SPEC}) == len(SPEC)  # each its own memory
+        if name == "ffa_lora":
+            assert all(torch.count_nonzero(whole[k]) == 0 for k in A_KEYS)
+    factors = [min(1.0, 20.0 / norm_of(inp.path)) for inp in inputs]
+    weights = [strategy.weight(inp) for inp in inputs]
+    reference = weighted_reference(inputs, weights, factors=factors)
+    if name == "ffa_lora":
+        reference = {k: torch.zeros_like(v) if k in A_KEYS else v for k, v in reference.items()}
+    assert_same(whole, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mean_split_by_coordinates_refuses_bad_spans_and_parts_and_dp(tmp_path):
+    inputs = make_inputs(tmp_path, 3)
+    strategy = get_strategy("fedavg")
+    for span in ((-1, 5), (5, TOTAL + 1), (7, 3)):
+        with pytest.raises(ValueError, match="is not within the adapter's"):
+            strategy.span_partial(inputs, spec=SPEC, params={}, span=span)
+    half = strategy.span_partial(inputs, spec=SPEC, params={}, span=(0, TOTAL // 2))
+    for parts in ([half], [half, half, half]):
+        with pytest.raises(
+            ValueError, match=f"the spans hold {len(parts) * (TOTAL // 2)} coordinates, the adapter has {TOTAL}"
+        ):
+            strategy.assemble(parts, spec=SPEC, inputs=inputs)
+    dp = {"dp": {"clip": 1.0, "noise_multiplier": 0.5, "seed": 3}}
+    assert not strategy.by_coordinates(dp)
+    with pytest.raises(ValueError, match="with server-side DP is split by shards of deltas"):
+        strategy.span_partial(inputs, spec=SPEC, params=dp, span=(0, TOTAL))
+
+
+def test_a_mean_with_dp_split_by_shards_is_the_bytes_of_one_worker_and_of_a_chord(tmp_path):
+    """With DP (its noise drawn once, from the seed), shards' float64 partial sums computed apart and combined in
+    shard order give the bytes of ``aggregate``, whatever the shard size."""
     inputs = make_inputs(tmp_path, 7)
     strategy = get_strategy("fedavg")
-    whole = run("fedavg", inputs, {"shard_size": 1000})
+    dp = {"dp": {"clip": 5.0, "noise_multiplier": 0.5, "seed": 3}}
+    whole = run("fedavg", inputs, {**dp, "shard_size": 1000})
     for size in (1, 2, 3):
-        sharded = run("fedavg", inputs, {"shard_size": size})
+        sharded = run("fedavg", inputs, {**dp, "shard_size": size})
         assert all(torch.equal(sharded[k], whole[k]) for k in SPEC)
     # a chord: shards computed separately (here in reverse), combined in shard order
-    params = {"shard_size": 3, "workers": 4}
+    params = {**dp, "shard_size": 3, "workers": 4}
     parts = [strategy.partial(s, spec=SPEC, base={}, params=params) for s in reversed(shards(inputs, 3, 4))][::-1]
-    assert [w for _, w in parts] == [1, 4 + 7, 10 + 13, 16 + 19]  # one shard per worker, as even as can be
+    assert [w for _, w in parts] == [1, 2, 2, 2]  # one shard per worker, as even as can be; DP weighs each 1
     assert all(v.dtype == torch.float64 for sums, _ in parts for v in sums.values())
     chord = strategy.combine(parts, spec=SPEC, base={}, params=params)
     direct = run("fedavg", inputs, params)

@@ -2,10 +2,11 @@
 
 ``round_aggregate`` is idempotent: it acts only on a round that is ``aggregating`` and has no version yet,
 and the version row is unique per round, so a task run again after a worker was killed (``acks_late``)
-either finishes the job or finds it done. Rounds of more than ``shard_size`` deltas of a shardable strategy are
-split into one shard per aggregation worker (``AGGREGATION_WORKERS``; ``strategies.shards``) whose partial sums
-are computed by separate tasks (a Celery chord) and combined in shard order; one worker computes the very same
-shards in the same order, so the result is identical.
+either finishes the job or finds it done. Rounds of more than ``shard_size`` deltas are split across the
+aggregation workers (``AGGREGATION_WORKERS``) as a Celery chord: by coordinate spans (robust rules; the mean
+family without DP: each task reads its span of every delta, and the spans' values are joined in order) or, for
+the mean family with DP, by shards of deltas (``strategies.shards``) whose partial sums are combined in shard
+order. One worker computes the very same spans or shards in the same order, so the result is identical.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _base_tensors(round_: Round) -> dict[str, torch.Tensor]:
 def shards_of(round_: Round, deltas: list[Delta]) -> list[list[int]] | None:
     """Delta ids per shard when the round is worth splitting across workers, else None."""
     strategy = get_strategy(round_.strategy)
-    if not strategy.shardable:
+    if not strategy.shardable or strategy.by_coordinates(round_.params):
         return None
     params = strategy.check_params(round_.params)  # the round's own workers, fixed when it opened (2 before)
     cut = shards([delta.pk for delta in deltas], params["shard_size"], params["workers"])
@@ -107,10 +108,10 @@ def shards_of(round_: Round, deltas: list[Delta]) -> list[list[int]] | None:
 
 
 def spans_of(round_: Round, deltas: list[Delta]) -> list[tuple[int, int]] | None:
-    """Coordinate spans when the round's robust rule is worth splitting across workers (as many deltas as
-    a shard of the mean family would split at), else None. Each task then reads its span of every delta."""
+    """Coordinate spans when the round's rule (a robust rule; the mean family without DP) is worth splitting
+    across workers (more deltas than ``shard_size``), else None. Each task then reads its span of every delta."""
     strategy = get_strategy(round_.strategy)
-    if not strategy.shardable_by_coordinates or len(deltas) <= int(round_.params.get("shard_size", 64)):
+    if not strategy.by_coordinates(round_.params) or len(deltas) <= int(round_.params.get("shard_size", 64)):
         return None
     spans = strategy.spans(None, spec=round_.adapter.tensor_spec, params=_params(round_))
     return spans if len(spans) > 1 else None
@@ -118,8 +119,8 @@ def spans_of(round_: Round, deltas: list[Delta]) -> list[tuple[int, int]] | None
 
 @dataclass(frozen=True)
 class Plan:
-    """How a closed round is aggregated: in shards of deltas (the mean family), in coordinate spans (robust
-    rules; ``gram`` for the distance-based ones), or on one worker (neither)."""
+    """How a closed round is aggregated: in shards of deltas (the mean family with DP), in coordinate spans
+    (robust rules, ``gram`` for the distance-based ones; the mean family without DP), or on one worker."""
 
     shards: list[list[int]] | None = None
     spans: list[tuple[int, int]] | None = None
@@ -179,7 +180,9 @@ def span_values(*, round_id: int, span: list[int], gram_sha256: str | None = Non
 
 
 def _part(sha256: str) -> torch.Tensor:
-    return load_safetensors(blob_read(sha256))["part"]
+    """A span task's stored part, mapped from the blob's file (as ``partial_sums``): one copy, into the tensor."""
+    with blob_local_path(sha256) as path, safe_open(path, framework="pt") as handle:
+        return handle.get_tensor("part")
 
 
 def spans_failed(parts: list[dict]) -> bool:
@@ -209,7 +212,7 @@ def combine_span_values(*, round_id: int, parts: list[dict], gram_sha256: str | 
             if gram_sha256 is not None and not hasattr(strategy, "assemble"):
                 delta = strategy.from_gram(inputs, spec=spec, params=_params(round_), gram=_part(gram_sha256))
             else:
-                delta = strategy.assemble([_part(part["sha256"]) for part in parts], spec=spec, inputs=inputs)
+                delta = strategy.assemble((_part(part["sha256"]) for part in parts), spec=spec, inputs=inputs)
     except (ValueError, LookupError, OSError) as exc:
         return _fail(round_, f"{type(exc).__name__}: {exc}")
     workers = len({part.get("worker") for part in parts if part.get("worker")}) or None

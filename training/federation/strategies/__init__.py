@@ -2,8 +2,10 @@
 no database.
 
 ``get_strategy(name).aggregate(inputs, spec=..., base=..., params=...)`` returns the aggregated delta
-(float32, every key of ``spec``) to add to ``base``. Shardable strategies also offer ``partial`` and
-``combine``; their ``aggregate`` is ``combine`` over ``partial`` of consecutive shards (``shards``: over
+(float32, every key of ``spec``) to add to ``base``. Strategies split by coordinates (the robust rules; the
+mean family without DP: ``by_coordinates``) also offer ``spans``, ``span_partial`` and ``assemble``, and their
+``aggregate`` gives the bytes of the spans joined in order; the mean family with DP offers ``partial`` and
+``combine``, and its ``aggregate`` is ``combine`` over ``partial`` of consecutive shards (``shards``: over
 ``shard_size`` inputs, one per worker of ``workers``).
 
 Params every strategy accepts (ignoring those it does not use; unknown names are refused):

@@ -272,8 +272,9 @@ def _whole(minimum):
 # name: (default, check, what the check wants)
 PARAMS: dict[str, tuple] = {
     "shard_size": (64, _whole(1), "a whole number >= 1"),
-    # The workers a round of more than shard_size deltas is split across (the server passes its
-    # AGGREGATION_WORKERS): one shard each, so a chord and one worker's aggregate cut the same shards.
+    # The workers a round of the mean family over more than shard_size deltas is split across (the server passes
+    # its AGGREGATION_WORKERS): one span of coordinates each, or with DP one shard of deltas each, so a chord and
+    # one worker's aggregate cut the same shards.
     "workers": (2, _whole(1), "a whole number >= 1"),
     "chunk_elements": (1 << 20, _whole(1), "a whole number >= 1"),
     # Ceiling on the robust rules' memory, in bytes (the server passes its AGGREGATION_MEMORY_BUDGET_MB): a
@@ -294,8 +295,8 @@ class Strategy:
     """One aggregation rule. ``aggregate`` returns the aggregated delta (float32, every spec key)."""
 
     name: str = ""
-    shardable: bool = False  # by deltas: ``partial`` of shards of deltas, ``combine``d
-    shardable_by_coordinates: bool = False  # by coordinate spans (the robust rules)
+    shardable: bool = False  # by deltas: ``partial`` of shards of deltas, ``combine``d (the mean family with DP)
+    shardable_by_coordinates: bool = False  # by coordinate spans (the robust rules; the mean family without DP)
     supports_dp: bool = False
 
     def check_params(self, params: dict | None) -> dict:
@@ -313,6 +314,15 @@ class Strategy:
             if key in params and not ok(params[key]):
                 raise ValueError(f"{key} must be {wanted}, not {params[key]!r}")
         return {**{key: default for key, (default, _, _) in PARAMS.items()}, **params}
+
+    def by_coordinates(self, params) -> bool:
+        """Whether a round with these params is split across workers by coordinate spans (``spans``,
+        ``span_partial``, ``assemble``) rather than by shards of deltas (``partial``, ``combine``)."""
+        return self.shardable_by_coordinates
+
+    def needs_gram(self, params) -> bool:
+        """Whether a round split by coordinates needs the deltas' Gram matrix first (the distance rules)."""
+        return False
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         raise NotImplementedError

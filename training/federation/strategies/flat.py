@@ -31,7 +31,7 @@ from edge_agent.safetensors_header import loads_noting_repeats
 from training.registry.artifacts import PassedHeaders
 from training.registry.blobs import page_aligned
 
-from .base import DeltaInput, Shape, check_keys
+from .base import DeltaInput, Shape, check_inputs, check_keys, check_spec
 
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
@@ -108,6 +108,39 @@ class CoordinateOrder:
             else:
                 out[key] = flat[:0].reshape(self.shapes[key])
         return out
+
+
+def coordinate_spans(total: int, count: int) -> list[tuple[int, int]]:
+    """``count`` consecutive ranges of about equal size covering ``total`` coordinates (fewer when there are
+    fewer coordinates): the unit of work a rule split by coordinates (the robust rules; the mean family
+    without DP) splits into, on one worker or across a chord."""
+    count = max(1, min(count, total))
+    edges = [total * i // count for i in range(count + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(count)]
+
+
+def assemble_spans(parts, *, spec, inputs) -> dict[str, torch.Tensor]:
+    """The aggregated delta from its spans' values (``coordinate_spans``, in span order: a list or any
+    iterable of tensors), one float32 tensor per spec key, each its own memory (safetensors stores no tensors
+    that share it). Each span's values are copied once, straight into the keys they belong to: joining the
+    spans first and cutting copies of the keys from that touched three times the memory (new pages cost more
+    than the copying itself; bench/README.md, "aggregation.py")."""
+    order = CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path)
+    out = {key: torch.empty(shape, dtype=torch.float32) for key, shape in order.shapes.items()}
+    at = 0
+    for part in parts:
+        values = part.reshape(-1)
+        end = at + values.numel()
+        if end <= order.total:
+            for key in order.keys:
+                start = order.starts[key]
+                low, high = max(at, start), min(end, start + out[key].numel())
+                if low < high:
+                    out[key].view(-1)[low - start : high - start].copy_(values[low - at : high - at])
+        at = end
+    if at != order.total:
+        raise ValueError(f"the spans hold {at} coordinates, the adapter has {order.total}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -328,21 +361,22 @@ SUM_COLUMNS = 1 << 18
 ADD_COLUMNS = 1 << 15
 
 
-def flat_weighted_sum(deltas: list[FlatDelta], weights: list[float]) -> np.ndarray:
-    """``sum_i weights[i] * delta_i`` over every coordinate, in float64, a block of coordinates at a time, the
-    deltas in order within each (each element as ``base.weighted_sum`` computes it: the float32 value times its
-    weight, added in float64, delta by delta; so the same bytes whatever the block's size). Values are checked
-    finite once per block, on the sums (finite values times finite weights add up to finite sums in float64);
-    a block that is not is read again, checked, to name the delta and tensor."""
-    total = deltas[0].order.total if deltas else 0
-    sums = torch.zeros(total, dtype=torch.float64)
-    columns = min(SUM_COLUMNS, max(1, total))
+def flat_weighted_sum(deltas: list[FlatDelta], weights: list[float], span: tuple[int, int] | None = None) -> np.ndarray:
+    """``sum_i weights[i] * delta_i`` over the coordinates of ``span`` (default all), in float64, a block of
+    coordinates at a time, the deltas in order within each (each element as ``base.weighted_sum`` computes it:
+    the float32 value times its weight, added in float64, delta by delta; so the same bytes whatever the block's
+    size, and a span's sums are those coordinates' of the whole sum). Values are checked finite once per block,
+    on the sums (finite values times finite weights add up to finite sums in float64); a block that is not is
+    read again, checked, to name the delta and tensor."""
+    first, last = span if span is not None else (0, deltas[0].order.total if deltas else 0)
+    sums = torch.zeros(last - first, dtype=torch.float64)
+    columns = min(SUM_COLUMNS, max(1, last - first))
     buffer = np.frombuffer(page_aligned(columns * 4), dtype=np.float32)
     values = torch.from_numpy(buffer)
     step = SUM_COLUMNS if torch.get_num_threads() == 1 else ADD_COLUMNS
-    for start in range(0, total, SUM_COLUMNS):
-        stop = min(total, start + SUM_COLUMNS)
-        block = sums[start:stop]
+    for start in range(first, last, SUM_COLUMNS):
+        stop = min(last, start + SUM_COLUMNS)
+        block = sums[start - first : stop - first]
         for delta, weight in zip(deltas, weights, strict=True):
             delta.read(start, stop, buffer, check=False)
             for at in range(0, stop - start, step):

@@ -1,11 +1,21 @@
-"""Weighted means: fedavg, fedbuff and ffa_lora. Streaming and shardable.
+"""Weighted means: fedavg, fedbuff and ffa_lora. Streaming, and split across workers two ways.
 
-``partial(shard)`` is ``(sum_i w_i * c_i * delta_i, sum_i w_i)`` in float64 (w_i the strategy's weight,
-c_i the clipping factor), reading one delta at a time into one running sum per tensor: memory O(model)
-whatever N is. ``combine`` adds the partials in the order given, adds the DP noise (once) and divides.
-``aggregate`` is exactly ``combine([partial(shard) for shard in shards(inputs, shard_size, workers)])``, so a chord
-running the same shards on several workers gives a bit-identical result to one worker. A key no delta
-carries (lora_A of FFA-layout deltas) is left out of the sums: it stays zero and gets no DP noise.
+Without DP, a round is split by coordinates: ``span_partial(span)`` is that span of
+``sum_i w_i * c_i * delta_i / sum_i w_i`` (w_i the strategy's weight, c_i the clipping factor), the sums in
+float64 over every delta in order, then the span's float32 values; ``assemble`` joins the spans in order.
+Each coordinate is the same arithmetic whichever span holds it, so ``aggregate`` (one span of everything) and
+a chord of spans on several workers give the same bytes, and a worker's part is 4 bytes per coordinate of its
+span, where a shard's float64 sums of every coordinate were 8 per coordinate of the adapter, to store, read and
+add (bench/README.md, "aggregation.py").
+
+With DP, the noise is drawn once for the whole sum, so a round is split by deltas: ``partial(shard)`` is
+``(sum_i w_i * c_i * delta_i, sum_i w_i)`` in float64, reading one delta at a time into one running sum per
+tensor: memory O(model) whatever N is. ``combine`` adds the partials in the order given, adds the DP noise
+(once) and divides; ``aggregate`` is exactly ``combine([partial(shard) for shard in shards(inputs, shard_size,
+workers)])``, so a chord running the same shards gives the same bytes as one worker.
+
+A key no delta carries (lora_A of FFA-layout deltas) is left out of the sums: it stays zero and gets no DP
+noise.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from .base import (
     shards,
 )
 from .dp import add_gaussian_noise, parse_dp
-from .flat import flat_clip_factors, flat_weighted_sum, open_flat
+from .flat import assemble_spans, coordinate_spans, flat_clip_factors, flat_weighted_sum, open_flat
 
 
 def _all_finite(value: torch.Tensor) -> bool:
@@ -34,8 +44,12 @@ def _all_finite(value: torch.Tensor) -> bool:
 
 
 class MeanStrategy(Strategy):
-    shardable = True
+    shardable = True  # with DP: shards of deltas (``partial``, ``combine``)
+    shardable_by_coordinates = True  # without DP: coordinate spans (``span_partial``, ``assemble``)
     supports_dp = True
+
+    def by_coordinates(self, params) -> bool:
+        return parse_dp(self.check_params(params).get("dp")) is None
 
     def weight(self, inp) -> float:
         """The input's weight without DP."""
@@ -54,8 +68,10 @@ class MeanStrategy(Strategy):
     def check_extra_all(self, inputs, shapes) -> None:
         """More checks a strategy makes on every delta (``check_extra`` on each, one file open at a time)."""
 
-    def partial(self, inputs, *, spec, base, params) -> tuple[dict[str, torch.Tensor], float]:
-        """``(weighted sum in float64 per summed key, total weight)`` of one shard."""
+    def _weighted(self, inputs, spec, params):
+        """What a weighted sum of ``inputs`` needs: ``(order, deltas, keys, weights, scaled)``: the coordinate
+        order, every delta checked and cut (``open_flat``), the summed keys some delta carries, each input's
+        weight, and that weight times its clipping factor."""
         params = self.check_params(params)
         shapes = check_spec(spec)
         inputs = check_inputs(inputs)
@@ -68,7 +84,42 @@ class MeanStrategy(Strategy):
             clip = dp.clip if clip is None else min(clip, dp.clip)
         factors = flat_clip_factors(inputs, deltas, clip, recompute=dp is not None)
         weights = [self.dp_weight(inp) if dp is not None else self.weight(inp) for inp in inputs]
-        flat = torch.from_numpy(flat_weighted_sum(deltas, [w * c for w, c in zip(weights, factors, strict=True)]))
+        return order, deltas, keys, weights, [w * c for w, c in zip(weights, factors, strict=True)]
+
+    def spans(self, inputs, *, spec, params) -> list[tuple[int, int]]:
+        """A round's coordinate spans: one per aggregation worker (``workers``), each as much work as another."""
+        params = self.check_params(params)
+        total = sum(math.prod(shape) for shape in check_spec(spec).values())
+        return coordinate_spans(total, params["workers"])
+
+    def span_partial(self, inputs, *, spec, params, span, gram=None) -> torch.Tensor:
+        """The mean's values over coordinates ``span`` (float32; a chord task's part): the span's weighted sums
+        of every input in order, in float64, divided by the total weight; zero where no delta carries the key or
+        the strategy does not average it. Rounds with DP are split by deltas (``partial``), not here."""
+        if not self.by_coordinates(params):
+            raise ValueError(f"{self.name} with server-side DP is split by shards of deltas, not by coordinates")
+        order, deltas, keys, weights, scaled = self._weighted(inputs, spec, params)
+        first, last = span
+        if not 0 <= first <= last <= order.total:
+            raise ValueError(f"span {list(span)} is not within the adapter's {order.total} coordinates")
+        sums = torch.from_numpy(flat_weighted_sum(deltas, scaled, (first, last)))
+        averaged = set(keys)
+        for key in order.keys:  # nothing to average: zero, as a key left out of the sums is
+            if key not in averaged:
+                start = order.starts[key]
+                low, high = max(first, start), min(last, start + math.prod(order.shapes[key]))
+                if low < high:
+                    sums[low - first : high - first] = 0.0
+        return sums.div_(math.fsum(weights)).to(torch.float32)
+
+    def assemble(self, parts, *, spec, inputs) -> dict[str, torch.Tensor]:
+        """The mean from its spans' values, in span order."""
+        return assemble_spans(parts, spec=spec, inputs=inputs)
+
+    def partial(self, inputs, *, spec, base, params) -> tuple[dict[str, torch.Tensor], float]:
+        """``(weighted sum in float64 per summed key, total weight)`` of one shard."""
+        order, deltas, keys, weights, scaled = self._weighted(inputs, spec, params)
+        flat = torch.from_numpy(flat_weighted_sum(deltas, scaled))
         return order.split(flat, keys), math.fsum(weights)
 
     def combine(self, partials, *, spec, base, params) -> dict[str, torch.Tensor]:
@@ -121,6 +172,10 @@ class MeanStrategy(Strategy):
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         checked = self.check_params(params)
+        if self.by_coordinates(checked):  # one span of every coordinate: each the arithmetic of a chord's span
+            total = sum(math.prod(shape) for shape in check_spec(spec).values())
+            values = self.span_partial(inputs, spec=spec, params=params, span=(0, total))
+            return self.assemble([values], spec=spec, inputs=inputs)
         # A generator: combine folds each shard's partial into its total before the next is computed, so
         # memory stays O(model) however many shards there are; the arithmetic is the chord's, in order.
         parts = (

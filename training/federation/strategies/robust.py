@@ -42,7 +42,15 @@ import numpy as np
 import torch
 
 from .base import Strategy, check_inputs, check_spec
-from .flat import CoordinateOrder, FlatDelta, block_columns, flat_clip_factors, flat_weighted_sum, open_flat
+from .flat import (
+    FlatDelta,
+    assemble_spans,
+    block_columns,
+    coordinate_spans,
+    flat_clip_factors,
+    flat_weighted_sum,
+    open_flat,
+)
 
 
 def gather(deltas: list[FlatDelta], start: int, stop: int, factors: list[float], out: np.ndarray) -> np.ndarray:
@@ -126,14 +134,6 @@ def mixing_matrix(gram: torch.Tensor, f: int) -> torch.Tensor:
         ranked[i] = -1.0  # distances are >= 0: itself first
         mixing[i].index_fill_(0, torch.argsort(ranked, stable=True)[:keep], 1.0 / keep)
     return mixing
-
-
-def coordinate_spans(total: int, count: int) -> list[tuple[int, int]]:
-    """``count`` consecutive ranges of about equal size covering ``total`` coordinates (fewer when there are
-    fewer coordinates): the unit of work a robust rule splits into, on one worker or across a chord."""
-    count = max(1, min(count, total))
-    edges = [total * i // count for i in range(count + 1)]
-    return [(edges[i], edges[i + 1]) for i in range(count)]
 
 
 class RobustStrategy(Strategy):
@@ -321,11 +321,7 @@ class CoordinateStrategy(RobustStrategy):
 
     def assemble(self, parts, *, spec, inputs) -> dict[str, torch.Tensor]:
         """The aggregated delta from the spans' values, in span order."""
-        order = CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path)
-        flat = torch.cat([part.to(torch.float32).reshape(-1) for part in parts])
-        if flat.numel() != order.total:
-            raise ValueError(f"the spans hold {flat.numel()} coordinates, the adapter has {order.total}")
-        return {key: value.clone() for key, value in order.split(flat).items()}
+        return assemble_spans(parts, spec=spec, inputs=inputs)
 
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         params, order, inputs, deltas, factors = self.prepare(inputs, spec, params)
