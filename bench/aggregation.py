@@ -1,7 +1,7 @@
 """Verification plus aggregation: throughput and peak memory, against a floor and against Flower.
 
 For each size (N deltas of P float32 parameters, safetensors files on local disk, made once and cached by
-``bench/aggregation_data.py``) every method runs in a fresh process (``bench/aggregation_methods.py``), so
+``bench/aggregation_data.py``) every method runs in a fresh process (``bench/aggregation_run.py``), so
 its peak RSS (VmHWM, the kernel's high-water mark) is its own, with the files in the page cache (each
 method starts after one untimed read of all of them): the figures are CPU and memory, not disk. Methods:
 
@@ -131,7 +131,7 @@ def run_method(method: str, size: Size, run: int, args) -> dict:
     started = time.perf_counter()
     with open(log, "w") as handle:
         proc = subprocess.run(
-            [sys.executable, str(HERE / "aggregation_methods.py"), json.dumps(job)],
+            [sys.executable, str(HERE / "aggregation_run.py"), json.dumps(job)],
             stdout=subprocess.PIPE,
             stderr=handle,
             text=True,

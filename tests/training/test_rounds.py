@@ -10,18 +10,21 @@ import psycopg
 import pytest
 import torch
 from django.db import connection
+from django.utils import timezone
 from safetensors.torch import load as load_safetensors
 
+from core.errors import DomainError
 from edge_agent.delta import encode_delta, sign_delta
 from tests.conftest import worker_log
 from training import dispatch
+from training.federation.aggregation import aggregation_lock, round_aggregate, round_deltas, round_plan
 from training.federation.intake import upload_append, upload_begin
 from training.federation.rounds import round_close, round_open, stalled_rounds
 from training.federation.verification import delta_verify
-from training.models import AdapterVersion, Delta, Round
+from training.models import AdapterVersion, Delta, Round, TrainingEvent
 from training.registry.blobs import blob_read
 from training.registry.services import adapter_set_aggregation, version_create_seeded
-from training.tasks import aggregate_round
+from training.tasks import aggregate_round, requeue_stalled_rounds, requeue_unverified_deltas
 
 
 def make_delta_tensors(adapter, seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
@@ -206,8 +209,6 @@ def five_deltas_on_three_workers(trained, settings, *, seed: int, aggregation: d
 
 def plan_as_closed(round_: Round):
     """The round's plan with its deltas as they were when it closed (accepted): what its chord ran."""
-    from training.federation.aggregation import round_deltas, round_plan
-
     Delta.objects.filter(round=round_).update(state="accepted")
     return round_plan(round_, round_deltas(round_))
 
@@ -220,8 +221,6 @@ def test_a_mean_round_split_by_coordinates_across_workers_equals_one_workers_res
     """Without DP, a mean round over more deltas than a shard runs as a chord of coordinate spans, one per
     aggregation worker (each task reads its span of every delta and stores that span's float32 values): the
     version's bytes are those of the same round aggregated on one worker."""
-    from training.federation.aggregation import round_aggregate
-
     spread, round_ = five_deltas_on_three_workers(trained, settings, seed=40, aggregation={"strategy": strategy})
     assert round_.stats["shards"] == 3 and 1 <= round_.stats["workers"] <= 3
     plan = plan_as_closed(round_)
@@ -258,8 +257,6 @@ def test_a_robust_round_split_by_coordinates_across_workers_equals_one_workers_r
     """Over more deltas than a shard, a robust rule runs as a chord of coordinate spans (each task reads its
     span of every delta; with mixing or Krum, a chord of the spans' Gram matrices first): the version's
     bytes are those of the same round aggregated on one worker."""
-    from training.federation.aggregation import round_aggregate
-
     adapter, version, devices = trained
     aggregation = {"strategy": strategy, "mixing": mixing, "buffer_size": 5, "min_deltas": 1, "shard_size": 2}
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation={**aggregation, "coordinate_shards": 3})
@@ -281,9 +278,6 @@ def test_a_robust_round_split_by_coordinates_across_workers_equals_one_workers_r
 def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(trained, monkeypatch):
     """The adapter's ``mixing`` reaches the round's params and the strategy (checked against a brute-force
     nearest-neighbour mixing and median over the flattened deltas)."""
-    from training import dispatch
-    from training.federation.aggregation import round_aggregate
-
     # verified and aggregated right here (no wake flag raised either, so no later test waits on it)
     monkeypatch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: None)
     monkeypatch.setattr(dispatch, "aggregate_round", lambda round_id: None)
@@ -314,9 +308,6 @@ def test_a_round_set_to_mix_aggregates_the_median_of_each_delta_s_nearest_mean(t
 
 @pytest.mark.django_db
 def test_a_round_that_would_pass_the_dp_budget_does_not_start_and_says_so(trained, make_user):
-    from core.errors import DomainError
-    from training.models import TrainingEvent
-
     adapter, _, _ = trained
     adapter_set_aggregation(
         adapter=adapter,
@@ -336,10 +327,6 @@ def test_a_delta_whose_verification_task_was_lost_is_queued_again_and_verified_o
     trained, celery_worker_process, monkeypatch, settings
 ):
     from datetime import timedelta
-
-    from django.utils import timezone
-
-    from training.tasks import requeue_unverified_deltas
 
     adapter, _, devices = trained
     revoke_delayed_tasks()
@@ -372,12 +359,6 @@ def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
     trained, celery_worker_process, monkeypatch, settings, make_user
 ):
     from datetime import timedelta
-
-    from django.utils import timezone
-
-    from training import dispatch
-    from training.federation.aggregation import aggregation_lock
-    from training.tasks import requeue_stalled_rounds
 
     adapter, _, devices = trained
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})
@@ -460,8 +441,6 @@ def test_a_round_whose_strategy_this_code_does_not_know_fails_with_the_reason_an
     trained, monkeypatch, settings, make_user
 ):
     from datetime import timedelta
-
-    from django.utils import timezone
 
     adapter, _, devices = trained
     adapter_set_aggregation(adapter=adapter, actor=None, aggregation={"buffer_size": 30, "min_deltas": 1})

@@ -119,6 +119,11 @@ def coordinate_spans(total: int, count: int) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(count)]
 
 
+def spec_spans(spec, count: int) -> list[tuple[int, int]]:
+    """``coordinate_spans`` over every coordinate of the adapter ``spec`` describes."""
+    return coordinate_spans(sum(math.prod(shape) for shape in check_spec(spec).values()), count)
+
+
 def assemble_spans(parts, *, spec, inputs) -> dict[str, torch.Tensor]:
     """The aggregated delta from its spans' values (``coordinate_spans``, in span order: a list or any
     iterable of tensors), one float32 tensor per spec key, each its own memory (safetensors stores no tensors

@@ -33,7 +33,7 @@ from .base import (
     shards,
 )
 from .dp import add_gaussian_noise, parse_dp
-from .flat import assemble_spans, coordinate_spans, flat_clip_factors, flat_weighted_sum, open_flat
+from .flat import assemble_spans, flat_clip_factors, flat_weighted_sum, open_flat, spec_spans
 
 
 def _all_finite(value: torch.Tensor) -> bool:
@@ -88,9 +88,7 @@ class MeanStrategy(Strategy):
 
     def spans(self, inputs, *, spec, params) -> list[tuple[int, int]]:
         """A round's coordinate spans: one per aggregation worker (``workers``), each as much work as another."""
-        params = self.check_params(params)
-        total = sum(math.prod(shape) for shape in check_spec(spec).values())
-        return coordinate_spans(total, params["workers"])
+        return spec_spans(spec, self.check_params(params)["workers"])
 
     def span_partial(self, inputs, *, spec, params, span, gram=None) -> torch.Tensor:
         """The mean's values over coordinates ``span`` (float32; a chord task's part): the span's weighted sums
@@ -173,8 +171,8 @@ class MeanStrategy(Strategy):
     def aggregate(self, inputs, *, spec, base, params) -> dict[str, torch.Tensor]:
         checked = self.check_params(params)
         if self.by_coordinates(checked):  # one span of every coordinate: each the arithmetic of a chord's span
-            total = sum(math.prod(shape) for shape in check_spec(spec).values())
-            values = self.span_partial(inputs, spec=spec, params=params, span=(0, total))
+            (everything,) = spec_spans(spec, 1)
+            values = self.span_partial(inputs, spec=spec, params=params, span=everything)
             return self.assemble([values], spec=spec, inputs=inputs)
         # A generator: combine folds each shard's partial into its total before the next is computed, so
         # memory stays O(model) however many shards there are; the arithmetic is the chord's, in order.

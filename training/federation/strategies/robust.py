@@ -50,6 +50,7 @@ from .flat import (
     flat_clip_factors,
     flat_weighted_sum,
     open_flat,
+    spec_spans,
 )
 
 
@@ -165,9 +166,7 @@ class RobustStrategy(Strategy):
 
     def spans(self, inputs, *, spec, params) -> list[tuple[int, int]]:
         """The coordinate spans of this round (from the spec's size and ``coordinate_shards``)."""
-        params = self.check_params(params)
-        total = sum(math.prod(shape) for shape in check_spec(spec).values())
-        return coordinate_spans(total, params["coordinate_shards"])
+        return spec_spans(spec, self.check_params(params)["coordinate_shards"])
 
     # Set aside from the budget before blocks are sized: per coordinate of the adapter, the result's float32
     # parts and their joined copy (``assemble``); and buffers and the allocator's slack.
