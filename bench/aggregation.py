@@ -419,6 +419,13 @@ def main() -> None:
         print("\n".join(summary))
     print("Files in the page cache (each method starts after an untimed read of them): CPU and memory, not disk.")
     print("Ours and the floor run the product's code as it is (torch's default threads unless --torch-threads).")
+    compiled = {r.get("compiled_loops") for size in results.values() for rs in size["runs"].values() for r in rs}
+    compiled.discard(None)
+    if compiled:
+        built = {frozenset({True}): "yes", frozenset({False}): "no: numpy and torch instead"}.get(
+            frozenset(compiled), "in some runs only"
+        )
+        print(f"Ours ran the compiled loops (training/federation/strategies/sum_kernel.c): {built}.")
     print(f"\ncommand: {command}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(

@@ -64,6 +64,8 @@ def main() -> None:
         raise SystemExit(f"unknown method {method}")
     if "torch" in sys.modules:
         out["torch_threads"] = sys.modules["torch"].get_num_threads()
+    if (kernels := sys.modules.get("training.federation.strategies.kernels")) is not None:
+        out["compiled_loops"] = kernels.sum_kernel is not None
     out.update(rss_start=base, rss_peak=rss_peak())
     print("RESULT " + json.dumps(out), flush=True)
 

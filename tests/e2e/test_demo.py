@@ -23,9 +23,14 @@ from tests.e2e.support import drop_stack, free_port, stack_env, start_launcher, 
 from tests.e2e.test_agent_lifecycle import _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]
 DEVICES = 12
 WATCH_SECONDS = 240  # a minute past the three minutes after which the old demo ran dry
+# The fleet's learning is judged over rounds, not seconds: a slower host makes fewer rounds in WATCH_SECONDS
+# (9 or 10 on a host where the suite took 44 minutes, against 16 where it took 23), so the watch goes on until
+# MIN_ROUNDS have completed, up to WATCH_LIMIT seconds.
+MIN_ROUNDS = 16
+WATCH_LIMIT = 480
 SHARED_FLOOR = 0.70  # version 1 scores about 0.80; the fleet's versions stay above this
 SERVER_ERROR = re.compile(r"Internal Server Error|\" 5\d\d |ERROR django\.request|OperationalError|Traceback")
 
@@ -77,6 +82,12 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
         assert any(f"demo fleet: {DEVICES} simulated devices" in line for line in output.lines), output.tail()
         api = _Api(port, _admin_token(env))
         time.sleep(max(0.0, WATCH_SECONDS - (time.monotonic() - started)))
+        while time.monotonic() - started < WATCH_LIMIT:
+            status, body = api.call("GET", "/rounds/?state=completed&page_size=1")
+            if status == 200 and body.get("count", 0) >= MIN_ROUNDS:
+                break
+            time.sleep(10)
+        watched = time.monotonic() - started
 
         devices = _pages(api, "/devices/?page_size=50")
         assert len(devices) == DEVICES, [d["name"] for d in devices]
@@ -90,7 +101,7 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
         listed = _pages(api, "/adapter-versions/?adapter__name=digits-lora&page_size=500")
         versions = sorted(listed, key=lambda v: v["number"])
         accuracies = [v["metrics"].get("eval_accuracy") for v in versions]
-        _say(f"{len(rounds)} rounds in {WATCH_SECONDS}s; accuracy by version: {accuracies}")
+        _say(f"{len(rounds)} rounds in {watched:.0f}s; accuracy by version: {accuracies}")
         assert len(rounds) >= 6, output.tail(80)
         assert accuracies[0] >= 0.75, "version 1 is not a factory-trained base"
         assert min(accuracies[-3:]) >= SHARED_FLOOR and max(accuracies[1:]) >= accuracies[0], accuracies

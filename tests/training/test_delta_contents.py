@@ -1,8 +1,9 @@
 """The one-pass contents check (training/federation/delta_contents.py) reads float deltas a read at a time
 across tensor boundaries and int8 deltas a tensor at a time: whatever the reads' sizes, the norm is the
-norm of the decoded values to float32's precision (within 1e-4 of the float64 norm, relative), a NaN or an
-infinity is found in the tensor it lies in, and a finite value whose square overflows float32 is a large norm,
-not a bad value."""
+norm of the decoded values (in float64 with the compiled loop, sum_kernel.c; to float32's precision, within
+1e-4 of the float64 norm, relative, with torch's float32 products where it is not built: both paths are run
+here), a NaN or an infinity is found in the tensor it lies in, and a finite value whose square overflows
+float32 is a large norm, not a bad value."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from safetensors.torch import load as load_safetensors
 
 from edge_agent.delta import decode_tensor, encode_delta, read_encoding
 from tests.training.forked_checks import ROUNDS
+from training.federation import delta_contents
 from training.federation.delta_contents import Rejection, contents_check
+from training.federation.strategies.kernels import sum_kernel
 from training.registry.artifacts import PassedHeaders
 from training.registry.blobs import CHUNK, page_aligned
 
@@ -55,6 +58,17 @@ class TrickleInto(Trickle):
         return len(part)
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def norm_path(request, monkeypatch):
+    """The sum of squares by the compiled loop (the install builds it: this suite requires it), then by torch's
+    float32 products, as where no C compiler built it."""
+    if request.param == "compiled":
+        assert sum_kernel is not None, "training/federation/strategies/sum_kernel.c was not built (make install)"
+    else:
+        monkeypatch.setattr(delta_contents, "sum_kernel", None)
+    return request.param
+
+
 def _adapter(encoding: str, max_norm: float | None = None):
     dtype = {"f32": "F32", "f16": "F16", "int8": "I8"}[encoding]
     spec = {name: {"shape": list(shape), "dtype": dtype} for name, shape in SHAPES.items()}
@@ -81,7 +95,7 @@ def _check(data: bytes, encoding: str, step: int | None, max_norm: float | None 
 
 @pytest.mark.parametrize("encoding", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("step", [None, 1, 3, 7, 4096])
-def test_the_norm_is_the_decoded_values_norm_whatever_the_reads(encoding, step):
+def test_the_norm_is_the_decoded_values_norm_whatever_the_reads(encoding, step, norm_path):
     data = encode_delta(_tensors(), encoding=encoding)
     stored = load_safetensors(data)
     _, scales = read_encoding(_metadata(data))
@@ -91,14 +105,15 @@ def test_the_norm_is_the_decoded_values_norm_whatever_the_reads(encoding, step):
             for name, tensor in stored.items()
         )
     )
-    # Float32 sums of squares per slice, added in float64: float32's precision, not float64's.
-    assert _check(data, encoding, step) == (encoding, pytest.approx(expected, rel=1e-6))
+    # Compiled: float64 sums of exact squares. Torch: float32 sums per slice, added in float64 (float32's precision).
+    rel = 1e-12 if norm_path == "compiled" else 1e-6
+    assert _check(data, encoding, step) == (encoding, pytest.approx(expected, rel=rel))
 
 
 @pytest.mark.parametrize("encoding", ["f32", "f16"])
 @pytest.mark.parametrize("step", [None, 3])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_a_bad_value_is_found_in_the_tensor_it_lies_in(encoding, step, bad):
+def test_a_bad_value_is_found_in_the_tensor_it_lies_in(encoding, step, bad, norm_path):
     names = list(SHAPES)
     target = names[6]
     value = _tensors()[target].clone()
@@ -110,7 +125,7 @@ def test_a_bad_value_is_found_in_the_tensor_it_lies_in(encoding, step, bad):
     assert found.value.detail == f"tensor {target!r} holds NaN or infinite values"
 
 
-def test_the_last_value_of_a_tensor_is_found_in_that_tensor_not_the_next():
+def test_the_last_value_of_a_tensor_is_found_in_that_tensor_not_the_next(norm_path):
     names = list(SHAPES)
     value = _tensors()[names[3]].clone()
     value[-1, -1] = float("nan")
@@ -118,7 +133,7 @@ def test_the_last_value_of_a_tensor_is_found_in_that_tensor_not_the_next():
         _check(encode_delta(_tensors(**{names[3]: value})), "f32", 5)
 
 
-def test_a_finite_value_whose_square_overflows_float32_is_a_large_norm_not_a_bad_value():
+def test_a_finite_value_whose_square_overflows_float32_is_a_large_norm_not_a_bad_value(norm_path):
     names = list(SHAPES)
     value = _tensors()[names[1]].clone()
     value[0, 0] = 1e30
@@ -249,7 +264,7 @@ def test_read_buffers_start_on_a_page():
 
 
 @pytest.mark.parametrize("kind", ["nan", "large"])
-def test_values_in_place_and_values_copied_first_give_the_same_answers(kind):
+def test_values_in_place_and_values_copied_first_give_the_same_answers(kind, norm_path):
     # Aligned, writable float32 values are summed where they lie; a read-only or misaligned buffer (a stream's
     # ``read()`` bytes, a value split between reads, a data section at an odd offset) is copied into the
     # thread's float32 slice first. Both give the same norm, the same large-norm fallback and the same name.
@@ -300,7 +315,7 @@ def test_a_header_matched_before_is_checked_again_when_the_spec_or_settings_chan
     assert found.value.code == "spec_mismatch" and "unexpected" in found.value.detail
 
 
-def test_the_norm_of_values_all_alike_float32_sums_worst_case_is_within_1e_4():
+def test_the_norm_of_values_all_alike_float32_sums_worst_case_is_within_1e_4(norm_path):
     # Float32 sums of squares err most where every square is the same (each addition rounds the same way).
     shapes = {"a.lora_A.weight": (512, 512), "b.lora_B.weight": (3, 5)}
     tensors = {name: torch.full(shape, 0.3) for name, shape in shapes.items()}
@@ -312,4 +327,4 @@ def test_the_norm_of_values_all_alike_float32_sums_worst_case_is_within_1e_4():
     data = encode_delta(tensors)
     _, norm = contents_check(io.BytesIO(data), size=len(data), sha256=hashlib.sha256(data).hexdigest(), adapter=adapter)
     exact = math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
-    assert norm == pytest.approx(exact, rel=1e-4)
+    assert norm == pytest.approx(exact, rel=1e-12 if norm_path == "compiled" else 1e-4)

@@ -3,11 +3,14 @@ while read, the header against the adapter's spec (and the safetensors library's
 decoded, checked finite and added to the L2 norm. Memory is bounded whatever the file's size. Run by
 verification (``training.federation.verification``) after the checks on the device and its counter.
 
-The norm is float32's: each slice's sum of squares is one float32 BLAS dot product, the slices added in float64
-(within 1e-4 of the exact norm, relative, when every value is alike, the worst case; about 1e-7 for values
-spread as updates are). It is compared with a bound and scales a clip; DP recomputes its own in float64. A
-slice whose float32 sum is not finite is summed again in float64, so a finite value whose square is past
-float32's range is a large norm, not a bad value.
+The norm's squares are summed in float64 by the compiled loop (``sum_kernel.squares``, one call per read; each
+square exact, finite exactly when every value is). Where the install built no C extension
+(``training.federation.strategies.kernels``), each slice's sum of squares is one float32 BLAS dot product, the
+slices added in float64 (within 1e-4 of the exact norm, relative, when every value is alike, the worst case;
+about 1e-7 for values spread as updates are), and a slice whose float32 sum is not finite is summed again in
+float64. Either way a finite value whose square is past float32's range is a large norm, not a bad value. The
+norm is compared with a bound and scales a clip (stored with the delta: every aggregation worker uses the same);
+DP recomputes its own in float64.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from safetensors import safe_open
 
 from edge_agent.delta import ENCODINGS, read_encoding
 from training.federation.aggregation_settings import aggregation_settings
+from training.federation.strategies.kernels import sum_kernel
 from training.models import Adapter
 from training.registry.artifacts import (
     ArtifactRejected,
@@ -59,10 +63,11 @@ def delta_spec(adapter: Adapter, encoding: str) -> dict[str, dict]:
     }
 
 
-# Values summed at a time: the sum of squares of a slice is one float32 BLAS dot product on torch's threads (one
-# in a worker), on the stored values where they are aligned float32 (f32, most of the time), else on the slice
-# decoded into one float32 buffer per thread. Widening every slice to float64 first took twice as long as the
-# product itself, and numpy's einsum twice as long again (bench/README.md, "aggregation.py").
+# Values decoded at a time (f16, int8, a misaligned data section: into one float32 buffer per thread), and, without
+# the compiled loop, summed at a time: one float32 BLAS dot product on torch's threads (one in a worker); widening
+# every slice to float64 first took twice as long as the product itself, and numpy's einsum twice as long again
+# (bench/README.md, "aggregation.py"). Aligned stored float32 values (f32, most of the time) are summed where they
+# lie: by the compiled loop a read at a time, else a slice at a time.
 DECODE_SLICE = 1 << 16
 _STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
 
@@ -204,9 +209,16 @@ class _Values:
         None; the first starts ``at`` bytes into the data section)."""
         values = np.frombuffer(data, dtype=self.stored)
         scale = self.scales.get(name)
+        stored = scale is None and values.dtype == np.float32 and values.flags.aligned
+        if sum_kernel is not None and stored:  # one call for the whole read, in float64
+            squares = sum_kernel.squares(values)
+            if not math.isfinite(squares):
+                self._bad_value(name, values, at)
+            self.squares += squares
+            return
         for first in range(0, len(values), DECODE_SLICE):
             part = values[first : first + DECODE_SLICE]
-            if scale is not None or part.dtype != np.float32 or not (part.flags.aligned and part.flags.writeable):
+            if not stored or not part.flags.writeable:
                 narrow = self.narrow[: len(part)]
                 with np.errstate(all="ignore"):  # an int8 value times its scale past float32's range: below
                     if scale is not None:  # in float32, as edge_agent.delta.decode_tensor
@@ -214,11 +226,22 @@ class _Values:
                     else:
                         np.copyto(narrow, part)
                 part = narrow
-            tensor = torch.from_numpy(part)
-            squares = float(torch.dot(tensor, tensor))
-            if not math.isfinite(squares):
-                squares = self._wide_squares(name, part, at + first * self.width)
+            if sum_kernel is not None:
+                squares = sum_kernel.squares(part)
+                if not math.isfinite(squares):
+                    self._bad_value(name, part, at + first * self.width)
+            else:
+                tensor = torch.from_numpy(part)
+                squares = float(torch.dot(tensor, tensor))
+                if not math.isfinite(squares):
+                    squares = self._wide_squares(name, part, at + first * self.width)
             self.squares += squares
+
+    def _bad_value(self, name: str | None, part: np.ndarray, at: int) -> None:
+        """Refuse the delta, naming the tensor that holds ``part``'s first value that is not finite (float32
+        values, the first ``at`` bytes into the data section)."""
+        bad = name or self._tensor_at(at + int(np.flatnonzero(~np.isfinite(part))[0]) * self.width)
+        raise Rejection("not_finite", f"tensor {bad!r} holds NaN or infinite values")
 
     def _wide_squares(self, name: str | None, part: np.ndarray, at: int) -> float:
         """The sum of squares of ``part`` (float32 values, the first ``at`` bytes into the data section) in
@@ -229,8 +252,7 @@ class _Values:
         tensor = self.wide[: len(part)]
         squares = float(torch.dot(tensor, tensor))
         if not math.isfinite(squares):
-            bad = name or self._tensor_at(at + int(np.flatnonzero(~np.isfinite(wide))[0]) * self.width)
-            raise Rejection("not_finite", f"tensor {bad!r} holds NaN or infinite values")
+            self._bad_value(name, part, at)
         return squares
 
     def _tensor_at(self, offset: int) -> str:

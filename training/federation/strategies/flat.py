@@ -32,6 +32,7 @@ from training.registry.artifacts import PassedHeaders
 from training.registry.blobs import page_aligned
 
 from .base import DeltaInput, Shape, check_inputs, check_keys, check_spec
+from .kernels import sum_kernel
 
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
@@ -124,28 +125,44 @@ def spec_spans(spec, count: int) -> list[tuple[int, int]]:
     return coordinate_spans(sum(math.prod(shape) for shape in check_spec(spec).values()), count)
 
 
+class KeyWriter:
+    """Float32 tensors, one per spec key in ``order`` (each its own memory: safetensors stores no tensors that
+    share it), written a run of coordinates at a time, straight into the keys the run covers."""
+
+    def __init__(self, order: CoordinateOrder):
+        self.order = order
+        self.out = {key: torch.empty(shape, dtype=torch.float32) for key, shape in order.shapes.items()}
+        self.flat = {key: tensor.view(-1).numpy() for key, tensor in self.out.items()}
+
+    def write(self, at: int, values: np.ndarray) -> None:
+        """Coordinates ``at : at + len(values)`` (any float dtype, rounded to float32 as torch's ``to`` does)."""
+        end = at + len(values)
+        for key in self.order.keys:
+            start = self.order.starts[key]
+            target = self.flat[key]
+            low, high = max(at, start), min(end, start + len(target))
+            if low < high:
+                target[low - start : high - start] = values[low - at : high - at]
+
+
 def assemble_spans(parts, *, spec, inputs) -> dict[str, torch.Tensor]:
     """The aggregated delta from its spans' values (``coordinate_spans``, in span order: a list or any
-    iterable of tensors), one float32 tensor per spec key, each its own memory (safetensors stores no tensors
-    that share it). Each span's values are copied once, straight into the keys they belong to: joining the
-    spans first and cutting copies of the keys from that touched three times the memory (new pages cost more
-    than the copying itself; bench/README.md, "aggregation.py")."""
+    iterable of tensors), one float32 tensor per spec key (``KeyWriter``). Each span's values are copied once,
+    straight into the keys they belong to: joining the spans first and cutting copies of the keys from that
+    touched three times the memory (new pages cost more than the copying itself; bench/README.md,
+    "aggregation.py")."""
     order = CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path)
-    out = {key: torch.empty(shape, dtype=torch.float32) for key, shape in order.shapes.items()}
+    writer = KeyWriter(order)
     at = 0
     for part in parts:
         values = part.reshape(-1)
         end = at + values.numel()
         if end <= order.total:
-            for key in order.keys:
-                start = order.starts[key]
-                low, high = max(at, start), min(end, start + out[key].numel())
-                if low < high:
-                    out[key].view(-1)[low - start : high - start].copy_(values[low - at : high - at])
+            writer.write(at, values.numpy())
         at = end
     if at != order.total:
         raise ValueError(f"the spans hold {at} coordinates, the adapter has {order.total}")
-    return out
+    return writer.out
 
 
 @dataclass(frozen=True)
@@ -357,40 +374,72 @@ def flat_norms(deltas: list[FlatDelta]) -> list[float]:
 # Coordinates summed per step of a weighted sum: a block of the float64 sums (2 MiB) stays in the CPU's cache
 # while every delta's values for it are added, where a whole-length sum would stream through memory once per
 # delta (blocks of 262,144 added 100 deltas of 1M 10% faster than blocks of 131,072 or 524,288: fewer reads,
-# each still within the last-level cache). With more than one torch thread, each addition is cut to torch's
-# grain size (32,768 values) so that it runs on the calling thread: two processes on two cores handing every
-# block to torch's threads ran ten times slower (bench/README.md, "aggregation.py"). A worker runs one torch
-# thread (WORKER_TORCH_THREADS), and adds a block at once: the same arithmetic, element by element, so the
-# same bytes.
+# each still within the last-level cache; bench/README.md, "aggregation.py").
 SUM_COLUMNS = 1 << 18
-ADD_COLUMNS = 1 << 15
 
 
-def flat_weighted_sum(deltas: list[FlatDelta], weights: list[float], span: tuple[int, int] | None = None) -> np.ndarray:
+# Deltas added into a block in one pass over it by the compiled loop (its most): the block's sums are read and
+# written once per group rather than once per delta (100 x 1M: 0.076 to 0.081 s for the reads and additions,
+# against 0.087 to 0.100 one delta at a time; bench/README.md, "Measured: the sum compiled").
+SUM_GROUP = 4
+
+
+def add_weighted_numpy(sums: np.ndarray, values: list[np.ndarray], weights: list[float], wide: np.ndarray) -> None:
+    """``sums += weight * value`` for each of ``values`` in order, as ``sum_kernel.add_weighted`` computes it
+    (the value widened to float64, the product rounded, then the sum): numpy's multiply, into ``wide`` (float64,
+    at least as long), then add. Where the compiled module was not built (no C compiler), and the reference the
+    tests hold it to."""
+    for value, weight in zip(values, weights, strict=True):
+        product = wide[: len(value)]
+        np.multiply(value, np.float64(weight), out=product, dtype=np.float64)
+        np.add(sums, product, out=sums)
+
+
+def flat_weighted_sum(
+    deltas: list[FlatDelta], weights: list[float], span: tuple[int, int] | None = None, *, finish=None
+) -> np.ndarray | None:
     """``sum_i weights[i] * delta_i`` over the coordinates of ``span`` (default all), in float64, a block of
-    coordinates at a time, the deltas in order within each (each element as ``base.weighted_sum`` computes it:
-    the float32 value times its weight, added in float64, delta by delta; so the same bytes whatever the block's
-    size, and a span's sums are those coordinates' of the whole sum). Values are checked finite once per block,
-    on the sums (finite values times finite weights add up to finite sums in float64); a block that is not is
-    read again, checked, to name the delta and tensor."""
+    coordinates at a time, the deltas in order within each (SUM_GROUP of them read, then added in one pass).
+    Each element as ``sum_kernel.add_weighted`` computes it (the float32 value widened, times its weight rounded
+    to float64, added rounded to float64, delta by delta, never fused), so the same bytes whatever the block's
+    size, with or without the compiled module, and a span's sums are those coordinates' of the whole sum.
+    Values are checked finite once per block, on the sums (finite values times finite weights add up to finite
+    sums in float64); a block that is not is read again, checked, to name the delta and tensor.
+
+    ``finish(start, sums)``: where given, each block's finished sums (the first coordinate, float64 values) go to
+    it in turn, in one reused buffer, and nothing is returned (no float64 array of the whole span is made)."""
+    if len(weights) != len(deltas):
+        raise ValueError(f"{len(deltas)} deltas and {len(weights)} weights")
     first, last = span if span is not None else (0, deltas[0].order.total if deltas else 0)
-    sums = torch.zeros(last - first, dtype=torch.float64)
     columns = min(SUM_COLUMNS, max(1, last - first))
-    buffer = np.frombuffer(page_aligned(columns * 4), dtype=np.float32)
-    values = torch.from_numpy(buffer)
-    step = SUM_COLUMNS if torch.get_num_threads() == 1 else ADD_COLUMNS
+    sums = np.zeros(last - first if finish is None else columns, dtype=np.float64)
+    group = SUM_GROUP if sum_kernel is not None else 1
+    buffers = [np.frombuffer(page_aligned(columns * 4), dtype=np.float32) for _ in range(min(group, len(deltas)))]
+    wide = np.empty(columns, dtype=np.float64) if sum_kernel is None else None
     for start in range(first, last, SUM_COLUMNS):
         stop = min(last, start + SUM_COLUMNS)
-        block = sums[start - first : stop - first]
-        for delta, weight in zip(deltas, weights, strict=True):
-            delta.read(start, stop, buffer, check=False)
-            for at in range(0, stop - start, step):
-                block[at : at + step].add_(values[at : min(stop - start, at + step)], alpha=weight)
-        if not bool(torch.isfinite(block).all()):
+        if finish is None:
+            block = sums[start - first : stop - first]
+        else:
+            block = sums[: stop - start]
+            block.fill(0.0)
+        for at in range(0, len(deltas), group):
+            batch = deltas[at : at + group]
+            values = [
+                delta.read(start, stop, buffer, check=False)
+                for delta, buffer in zip(batch, buffers[: len(batch)], strict=True)
+            ]
+            if sum_kernel is not None:
+                sum_kernel.add_weighted(block, values, weights[at : at + group])
+            else:
+                add_weighted_numpy(block, values, weights[at : at + group], wide)
+        if not np.isfinite(block).all():
             for delta in deltas:
-                delta.read(start, stop, buffer)  # the first delta with a NaN or infinite value is named
+                delta.read(start, stop, buffers[0])  # the first delta with a NaN or infinite value is named
             raise ValueError("the weighted sum is not finite: a weight is not a finite number")
-    return sums.numpy()
+        if finish is not None:
+            finish(start, block)
+    return sums if finish is None else None
 
 
 def flat_clip_factors(inputs: list[DeltaInput], deltas: list[FlatDelta], clip: float | None, *, recompute=False):

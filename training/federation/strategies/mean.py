@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .base import (
@@ -33,7 +34,15 @@ from .base import (
     shards,
 )
 from .dp import add_gaussian_noise, parse_dp
-from .flat import assemble_spans, flat_clip_factors, flat_weighted_sum, open_flat, spec_spans
+from .flat import (
+    CoordinateOrder,
+    KeyWriter,
+    assemble_spans,
+    flat_clip_factors,
+    flat_weighted_sum,
+    open_flat,
+    spec_spans,
+)
 
 
 def _all_finite(value: torch.Tensor) -> bool:
@@ -94,21 +103,44 @@ class MeanStrategy(Strategy):
         """The mean's values over coordinates ``span`` (float32; a chord task's part): the span's weighted sums
         of every input in order, in float64, divided by the total weight; zero where no delta carries the key or
         the strategy does not average it. Rounds with DP are split by deltas (``partial``), not here."""
+        first, last = span
+        values = np.empty(max(0, last - first), dtype=np.float32)
+
+        def write(at: int, block: np.ndarray) -> None:
+            values[at - first : at - first + len(block)] = block
+
+        self._mean_blocks(inputs, spec, params, span, write)
+        return torch.from_numpy(values)
+
+    def _mean_blocks(self, inputs, spec, params, span, write) -> CoordinateOrder:
+        """``span_partial``'s values a block at a time, ``write(first coordinate, float64 values)`` (rounded to
+        float32 by the writer, as torch's ``to`` rounds): each block's float64 sums, zeroed where the key is not
+        averaged, divided by the total weight. The same arithmetic per coordinate whatever the span and the
+        block, so a chord's spans and one worker's whole give the same bytes."""
         if not self.by_coordinates(params):
             raise ValueError(f"{self.name} with server-side DP is split by shards of deltas, not by coordinates")
         order, deltas, keys, weights, scaled = self._weighted(inputs, spec, params)
         first, last = span
         if not 0 <= first <= last <= order.total:
             raise ValueError(f"span {list(span)} is not within the adapter's {order.total} coordinates")
-        sums = torch.from_numpy(flat_weighted_sum(deltas, scaled, (first, last)))
         averaged = set(keys)
-        for key in order.keys:  # nothing to average: zero, as a key left out of the sums is
-            if key not in averaged:
-                start = order.starts[key]
-                low, high = max(first, start), min(last, start + math.prod(order.shapes[key]))
+        zeroed = [  # nothing to average: zero, as a key left out of the sums is
+            (order.starts[key], order.starts[key] + math.prod(order.shapes[key]))
+            for key in order.keys
+            if key not in averaged
+        ]
+        total = math.fsum(weights)
+
+        def finish(at: int, block: np.ndarray) -> None:
+            for start, stop in zeroed:
+                low, high = max(at, start), min(at + len(block), stop)
                 if low < high:
-                    sums[low - first : high - first] = 0.0
-        return sums.div_(math.fsum(weights)).to(torch.float32)
+                    block[low - at : high - at] = 0.0
+            np.divide(block, total, out=block)
+            write(at, block)
+
+        flat_weighted_sum(deltas, scaled, (first, last), finish=finish)
+        return order
 
     def assemble(self, parts, *, spec, inputs) -> dict[str, torch.Tensor]:
         """The mean from its spans' values, in span order."""
@@ -172,8 +204,9 @@ class MeanStrategy(Strategy):
         checked = self.check_params(params)
         if self.by_coordinates(checked):  # one span of every coordinate: each the arithmetic of a chord's span
             (everything,) = spec_spans(spec, 1)
-            values = self.span_partial(inputs, spec=spec, params=params, span=everything)
-            return self.assemble([values], spec=spec, inputs=inputs)
+            writer = KeyWriter(CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path))
+            self._mean_blocks(inputs, spec, params, everything, writer.write)  # straight into each key's tensor
+            return writer.out
         # A generator: combine folds each shard's partial into its total before the next is computed, so
         # memory stays O(model) however many shards there are; the arithmetic is the chord's, in order.
         parts = (
