@@ -103,16 +103,17 @@ class MeanStrategy(Strategy):
         """The mean's values over coordinates ``span`` (float32; a chord task's part): the span's weighted sums
         of every input in order, in float64, divided by the total weight; zero where no delta carries the key or
         the strategy does not average it. Rounds with DP are split by deltas (``partial``), not here."""
-        first, last = span
-        values = np.empty(max(0, last - first), dtype=np.float32)
+        parts: list[np.ndarray] = []  # made once the span is checked: one array of the span's length
 
         def write(at: int, block: np.ndarray) -> None:
-            values[at - first : at - first + len(block)] = block
+            if not parts:
+                parts.append(np.empty(span[1] - span[0], dtype=np.float32))
+            parts[0][at - span[0] : at - span[0] + len(block)] = block
 
         self._mean_blocks(inputs, spec, params, span, write)
-        return torch.from_numpy(values)
+        return torch.from_numpy(parts[0]) if parts else torch.empty(0, dtype=torch.float32)
 
-    def _mean_blocks(self, inputs, spec, params, span, write) -> CoordinateOrder:
+    def _mean_blocks(self, inputs, spec, params, span, write) -> None:
         """``span_partial``'s values a block at a time, ``write(first coordinate, float64 values)`` (rounded to
         float32 by the writer, as torch's ``to`` rounds): each block's float64 sums, zeroed where the key is not
         averaged, divided by the total weight. The same arithmetic per coordinate whatever the span and the
@@ -140,7 +141,6 @@ class MeanStrategy(Strategy):
             write(at, block)
 
         flat_weighted_sum(deltas, scaled, (first, last), finish=finish)
-        return order
 
     def assemble(self, parts, *, spec, inputs) -> dict[str, torch.Tensor]:
         """The mean from its spans' values, in span order."""
