@@ -75,7 +75,10 @@ def test_a_mean_without_dp_split_by_coordinates_is_the_bytes_of_one_pass_and_of_
             assert all(part.dtype == torch.float32 for part in parts)
             joined = strategy.assemble(iter(parts[::-1]), spec=SPEC, inputs=inputs)
             assert list(joined) == list(SPEC) and all(torch.equal(joined[k], whole[k]) for k in SPEC)
-            assert len({joined[k].data_ptr() for k in SPEC}) == len(SPEC)  # each its own memory
+            # a key within one part is a view of it (no copy); a key across parts, its own tensor
+            storages = {part.untyped_storage().data_ptr() for part in parts}
+            inside = [k for k in SPEC if joined[k].untyped_storage().data_ptr() in storages]
+            assert len(inside) >= len(SPEC) - (workers - 1) and (workers > 1 or len(inside) == len(SPEC))
         if name == "ffa_lora":
             assert all(torch.count_nonzero(whole[k]) == 0 for k in A_KEYS)
     factors = [min(1.0, 20.0 / norm_of(inp.path)) for inp in inputs]

@@ -180,7 +180,8 @@ def span_values(*, round_id: int, span: list[int], gram_sha256: str | None = Non
 
 
 def _part(sha256: str) -> torch.Tensor:
-    """A span task's stored part, mapped from the blob's file (as ``partial_sums``): one copy, into the tensor."""
+    """A span task's stored part: a tensor over the blob's file mapped (as ``partial_sums``), no copy; the keys
+    ``assemble`` makes of it are views of that mapping."""
     with blob_local_path(sha256) as path, safe_open(path, framework="pt") as handle:
         return handle.get_tensor("part")
 

@@ -147,22 +147,32 @@ class KeyWriter:
 
 def assemble_spans(parts, *, spec, inputs) -> dict[str, torch.Tensor]:
     """The aggregated delta from its spans' values (``coordinate_spans``, in span order: a list or any
-    iterable of tensors), one float32 tensor per spec key (``KeyWriter``). Each span's values are copied once,
-    straight into the keys they belong to: joining the spans first and cutting copies of the keys from that
-    touched three times the memory (new pages cost more than the copying itself; bench/README.md,
-    "aggregation.py")."""
+    iterable of float32 tensors), one float32 tensor per spec key. A key whose coordinates lie within one part is
+    a view of that part, no copy (a chord's parts are mapped from their blobs, so the callback makes no new
+    memory for them: new pages cost this host more than the copying; bench/README.md, "Measured: the spans
+    joined in place"); a key across two parts is copied into its own tensor."""
     order = CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path)
-    writer = KeyWriter(order)
+    out: dict[str, torch.Tensor] = {}
     at = 0
     for part in parts:
-        values = part.reshape(-1)
+        values = part.reshape(-1).to(torch.float32)
         end = at + values.numel()
-        if end <= order.total:
-            writer.write(at, values.numpy())
+        for key in order.keys if end <= order.total else ():
+            start, shape = order.starts[key], order.shapes[key]
+            stop = start + math.prod(shape)
+            if stop <= at or start >= end:
+                continue
+            if at <= start and stop <= end:
+                out[key] = values[start - at : stop - at].view(shape)
+                continue
+            target = out.setdefault(key, torch.empty(shape, dtype=torch.float32)).view(-1)
+            low, high = max(at, start), min(end, stop)
+            target[low - start : high - start] = values[low - at : high - at]
         at = end
     if at != order.total:
         raise ValueError(f"the spans hold {at} coordinates, the adapter has {order.total}")
-    return writer.out
+    empty = torch.empty(0, dtype=torch.float32)
+    return {key: out[key] if key in out else empty.reshape(shape) for key, shape in order.shapes.items()}
 
 
 @dataclass(frozen=True)
