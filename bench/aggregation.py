@@ -6,20 +6,21 @@ its peak RSS (VmHWM, the kernel's high-water mark) is its own, with the files in
 method starts after one untimed read of all of them): the figures are CPU and memory, not disk. Methods:
 
 - ``floor``: sha256 of each file plus one streaming numpy pass over it (1 MiB reads), one process;
-  ``floor_2proc``: the same, half the files in each of 2 processes (what the 2 cores allow).
+  ``floor_2proc``: the same in 2 processes, each file to whichever is free (what the 2 cores allow).
 - ``verify_fedavg``: per delta the server's verification (envelope signature, streamed sha256, header via
   ``training.registry.artifacts.read_header`` on an mmap so only the header is read, ``check_spec``, finite values
   and L2 norm via the streaming ``training.federation.strategies.base.delta_norm``; the product's
   ``training/federation/verification.py`` instead reads the whole file and ``load_safetensors`` it), then
   ``get_strategy("fedavg").aggregate``. ``verify_fedavg_product`` runs the product's own
   ``_check_contents`` on the whole file instead (Django configured with unreachable services; no query).
-- ``verify_fedavg_2w``: 2 spawned processes (standing in for 2 Celery workers of the product's chord): each
-  verifies half the deltas, then (once both have: the round closes when its deltas are verified) computes the
-  fedavg of its coordinate span of every delta (``span_partial``: the product's split of a mean round
-  without DP, one span per worker) and stores it as a blob; the parent joins the spans (``assemble``).
-  ``verify_fedavg_2w_shards``: the product's split of a mean round with DP (without the noise): each verifies
-  and sums one shard of deltas (``shard_size`` 64, two workers: one shard each up to 2,048 deltas) into
-  float64 partial sums, stored as blobs and ``combine``d by the parent in shard order.
+- ``verify_fedavg_2w``: 2 spawned processes (standing in for 2 Celery workers of the product): they verify
+  the deltas, each to whichever is free (as the product verifies each upload on whichever worker drains it),
+  then (once all are: the round closes when its deltas are verified) each computes the fedavg of its
+  coordinate span of every delta (``span_partial``: the product's split of a mean round without DP, one span
+  per worker) and stores it as a blob; the parent joins the spans (``assemble``).
+  ``verify_fedavg_2w_shards``: the product's split of a mean round with DP (without the noise): the same
+  verification, then each sums one shard of deltas (``shard_size`` 64, two workers: one shard each up to 2,048
+  deltas) into float64 partial sums, stored as blobs and ``combine``d by the parent in shard order.
 - ``median``, ``trimmed_mean`` (0.1), ``krum``, ``multi_krum``: ours, default params, no verification;
   ``krum_nnm``: Krum with nearest-neighbour mixing, what an adapter's ``krum`` runs unless told not to.
 - ``flower_*``: ``flwr.server.strategy.aggregate``'s functions on the same deltas loaded as lists of numpy

@@ -34,11 +34,31 @@ def partials_root(size) -> Path:
     return TMP / size.label / "partials"
 
 
-def _worker(job: dict, part, ready, go, results, closed, stopped) -> None:
-    """One stand-in Celery worker: imports, says ready, waits for the start, does its part, reports. ``part``:
-    the floor's files; the shards it verifies and sums (``verify_fedavg_2w_shards``); or the deltas it verifies
-    and its coordinate span (``verify_fedavg_2w``), summed once every delta is verified (``closed``, a barrier:
-    the round closes when its deltas are verified)."""
+# Files or deltas a stand-in worker takes at a time from the shared count (``_batches``): one, as the product
+# verifies each upload on whichever worker drains it (training.federation.verify_queue). Batches of 16 (the
+# drain's query) left 52 + 48 of 100 deltas to the two workers: a tenth of the two-worker time at 100 x 1M.
+BATCH = 1
+
+
+def _batches(taken, total: int):
+    """The next BATCH indices of ``total`` nobody has taken (``taken``: a count shared by the workers), until none
+    are left: the files or deltas go to whichever worker is free, so one slowed by something else on the host
+    takes fewer (halves fixed in advance left the other waiting up to 0.6 s at 300 x 10M)."""
+    while True:
+        with taken.get_lock():
+            first = taken.value
+            taken.value = min(total, first + BATCH)
+        if first >= total:
+            return
+        yield range(first, min(total, first + BATCH))
+
+
+def _worker(job: dict, part, ready, go, results, closed, stopped, taken) -> None:
+    """One stand-in Celery worker: imports, says ready, waits for the start, does its part, reports. The files
+    (the floor) or the deltas to verify are taken BATCH at a time from the count all workers share (``_batches``);
+    ``part``: then nothing (the floor), its coordinate span (``verify_fedavg_2w``), or the shards of deltas it
+    sums (``verify_fedavg_2w_shards``), once every delta is verified (``closed``, a barrier: the round closes when
+    its deltas are verified)."""
     size = parse_size(job["size"])
     envelopes = sidecars(size)
     if job["method"].startswith("floor"):
@@ -59,8 +79,11 @@ def _worker(job: dict, part, ready, go, results, closed, stopped) -> None:
     start, cpu = time.perf_counter(), cpu_seconds()
     out = {"partials": []}
     paths = [str(p) for p in size.paths()]
+    done = 0
     if job["method"].startswith("floor"):
-        floor_pass([paths[i] for i in part], [envelopes[i] for i in part])
+        for batch in _batches(taken, size.n):
+            floor_pass([paths[i] for i in batch], [envelopes[i] for i in batch])
+            done += len(batch)
     else:
         from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
         from training.federation.strategies import DeltaInput, get_strategy
@@ -71,14 +94,7 @@ def _worker(job: dict, part, ready, go, results, closed, stopped) -> None:
 
         spec = spec_of(size)
         strategy = get_strategy("fedavg")
-        out["verify_seconds"] = out["partial_seconds"] = out["store_seconds"] = out["wait_seconds"] = 0.0
-        norms = {}
-
-        def verify(members) -> None:
-            verifying = time.perf_counter()
-            for i in members:
-                norms[i] = verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
-            out["verify_seconds"] += time.perf_counter() - verifying
+        out["store_seconds"] = 0.0
 
         def store(tensors) -> str:
             storing = time.perf_counter()
@@ -86,32 +102,33 @@ def _worker(job: dict, part, ready, go, results, closed, stopped) -> None:
             out["store_seconds"] += time.perf_counter() - storing
             return str(blob_path(blob.sha256))
 
+        verifying = time.perf_counter()
+        for batch in _batches(taken, size.n):
+            for i in batch:
+                verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
+            done += len(batch)
+        out["verify_seconds"] = time.perf_counter() - verifying
+        waiting = time.perf_counter()
+        closed.wait()
+        out["wait_seconds"] = time.perf_counter() - waiting
+        summing = time.perf_counter()
+        # Without clip_norm (and without DP) no norm is read: the server's, stored by verification, goes unused.
         if job["method"] == "verify_fedavg_2w":  # as training.federation.aggregation.span_values
-            members, span = part
-            verify(members)
-            waiting = time.perf_counter()
-            closed.wait()
-            out["wait_seconds"] = time.perf_counter() - waiting
-            summing = time.perf_counter()
-            # every delta's norm is the server's (verification stored it); with no clip_norm none is read
-            inputs = [DeltaInput(paths[i], num_samples(i), 0, norms.get(i)) for i in range(size.n)]
-            values = strategy.span_partial(inputs, spec=spec, params=job["params"], span=span)
-            out["partial_seconds"] = time.perf_counter() - summing
-            out["partials"].append((span[0], store({"part": values}), None))
+            inputs = [DeltaInput(paths[i], num_samples(i), 0) for i in range(size.n)]
+            values = strategy.span_partial(inputs, spec=spec, params=job["params"], span=part)
+            out["partials"].append((part[0], store({"part": values}), None))
         else:  # as training.federation.aggregation.shard_partial (the mean family with DP)
             for shard_index, members in part:
-                verify(members)
-                summing = time.perf_counter()
-                inputs = [DeltaInput(paths[i], num_samples(i), 0, norms[i]) for i in members]
+                inputs = [DeltaInput(paths[i], num_samples(i), 0) for i in members]
                 sums, weight = strategy.partial(inputs, spec=spec, base=None, params=job["params"])
-                out["partial_seconds"] += time.perf_counter() - summing
                 out["partials"].append((shard_index, store(sums), weight))
+        out["partial_seconds"] = time.perf_counter() - summing - out["store_seconds"]
     out.update(
         seconds=time.perf_counter() - start,
         cpu_seconds=cpu_seconds() - cpu,
         rss_start=base,
         rss_peak=rss_peak(),
-        count=len(part),
+        count=done,
     )
     results.put(out)
     stopped.wait()  # until the clock has stopped, as a Celery worker stays up: its exit is no part of the chord
@@ -132,12 +149,13 @@ WORKER_FIGURES = (
 
 
 def method_two(job, size, envelopes) -> dict:
-    """Two spawned processes each take half the work, as two Celery workers of the product's chord: the floor,
-    half the files; ``verify_fedavg_2w`` (the mean family without DP), the verification of half the deltas,
-    then, once all are verified, the fedavg of half the coordinates of every delta, the spans' values joined by
-    this process (``assemble``, reading each part as ``training.federation.aggregation._part`` does);
-    ``verify_fedavg_2w_shards`` (the mean family with DP, without the noise), the verification and ``partial``
-    of one shard of deltas each, ``combine``d here in shard order, each partial mapped as
+    """Two spawned processes share the work, as two Celery workers of the product: the floor, the files, BATCH
+    at a time to whichever is free (``_batches``); ``verify_fedavg_2w`` (the mean family without DP), the
+    verification of the deltas, taken the same way, then, once all are verified, the fedavg of half the
+    coordinates of every delta each (the chord's spans), the spans' values joined by this process
+    (``assemble``, each part read as ``training.federation.aggregation._part`` does); ``verify_fedavg_2w_shards``
+    (the mean family with DP, without the noise), the verification the same way, then the ``partial`` of half
+    the shards of deltas each, ``combine``d here in shard order, each partial mapped as
     ``training.federation.aggregation.partial_sums`` does. Timed from the start signal (both workers already
     imported, like running Celery workers) to the combined result."""
     import multiprocessing
@@ -145,7 +163,7 @@ def method_two(job, size, envelopes) -> dict:
     context = multiprocessing.get_context("spawn")
     n = size.n
     if job["method"] == "floor_2proc":
-        parts = [list(range(0, n // 2)), list(range(n // 2, n))]
+        parts = [None, None]
     else:
         # In the function, as every product import here (the floor's processes never load torch or the product);
         # before the clock, with the chord callback's imports: a running Celery worker has them loaded.
@@ -154,19 +172,17 @@ def method_two(job, size, envelopes) -> dict:
         from training.federation.strategies import DeltaInput, get_strategy, shards
 
         job = {**job, "params": {}}  # the defaults: shard_size 64, two workers
-        halves = [list(range(0, n // 2)), list(range(n // 2, n))]
         if job["method"] == "verify_fedavg_2w":
-            spans = get_strategy("fedavg").spans(None, spec=spec_of(size), params=job["params"])
-            parts = list(zip(halves, spans, strict=True))
+            parts = get_strategy("fedavg").spans(None, spec=spec_of(size), params=job["params"])
         else:
             layout_ = list(enumerate(shards(list(range(n)), 64, 2)))
             half = math.ceil(len(layout_) / 2)
             parts = [layout_[:half], layout_[half:]]
     shutil.rmtree(partials_root(size), ignore_errors=True)
     ready, results, go, stopped = context.Queue(), context.Queue(), context.Event(), context.Event()
-    closed = context.Barrier(len(parts))
+    closed, taken = context.Barrier(len(parts)), context.Value("i", 0)
     # daemons: should this process fail before ``stopped``, its exit ends them rather than waiting for them
-    args = [(job, part, ready, go, results, closed, stopped) for part in parts]
+    args = [(job, part, ready, go, results, closed, stopped, taken) for part in parts]
     workers = [context.Process(target=_worker, args=a, daemon=True) for a in args]
     for worker in workers:
         worker.start()
@@ -211,8 +227,7 @@ def method_two(job, size, envelopes) -> dict:
         if reference is not None:
             exact = job["method"] == "verify_fedavg_2w"  # shards add in another order than one pass
             out.update(compare(reference, {k: v.numpy() for k, v in result.items()}, exact=exact, against="1 worker"))
-        by_span = job["method"] == "verify_fedavg_2w"
-        out["deltas_per_worker"] = [len(part[0]) if by_span else sum(len(m) for _, m in part) for part in parts]
+    out["deltas_per_worker"] = [o["count"] for o in outs]
     out["workers"] = [{k: o[k] for k in WORKER_FIGURES if k in o} for o in outs]
     for worker in workers:  # after the clock (``stopped``)
         worker.join()
