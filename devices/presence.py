@@ -21,6 +21,7 @@ one goes to the database (``devices.personalization``), after which ``mark_perso
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -28,12 +29,17 @@ from functools import cache
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 from devices.models import Device, DeviceEvent
 from devices.personalization import parse_personal
 from edge_agent.wire import HeartbeatState, validated
+
+logger = logging.getLogger(__name__)
+
+# A flush that PostgreSQL chose to end to break a deadlock is run again (it is idempotent), up to this many times.
+FLUSH_ATTEMPTS = 3
 
 
 def key(name: str) -> str:
@@ -215,11 +221,36 @@ def flush_presence(*, now: float | None = None) -> FlushResult:
             )
         )
 
+    for attempt in range(1, FLUSH_ATTEMPTS + 1):
+        try:
+            came_online, went_offline = _write_presence(rows, list(online))
+            break
+        except OperationalError as exc:
+            if "deadlock detected" not in str(exc) or attempt == FLUSH_ATTEMPTS:
+                raise
+            logger.info("presence flush ended by PostgreSQL to break a deadlock; flushing again (%s)", attempt)
+    # Forget what is far older than the offline horizon so the sets stay small.
+    client.zremrangebyscore(key("seen"), "-inf", now - 86400)
+    client.zremrangebyscore(key("gone"), "-inf", horizon)
+    return FlushResult(
+        seen=len(online), came_online=[str(d) for d in came_online], went_offline=[str(d) for d in went_offline]
+    )
+
+
+def _write_presence(rows: list[tuple], online: list[str]) -> tuple[list[str], list]:
+    """One transaction: the rows of ``online`` devices written (``_apply_online``), the other devices marked
+    online in the database set offline, an event for each change. Every row it writes is locked first, in id
+    order, in one statement: a writer that locks devices one by one in id order (a rollout's assignments) then
+    waits for it or it for the writer, never each for the other, as they did when the flush locked its rows in
+    whatever order the join gave them (a deadlock in the demo's first minute)."""
     with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT id FROM devices_device WHERE id = ANY(%s::uuid[]) OR online ORDER BY id FOR NO KEY UPDATE",
+                [online],
+            )
         came_online = _apply_online(rows)
-        went_offline = list(
-            Device.objects.filter(online=True).exclude(pk__in=list(online)).values_list("pk", flat=True)
-        )
+        went_offline = list(Device.objects.filter(online=True).exclude(pk__in=online).values_list("pk", flat=True))
         if went_offline:
             Device.objects.filter(pk__in=went_offline, online=True).update(online=False)
         now_dt = timezone.now()
@@ -234,12 +265,7 @@ def flush_presence(*, now: float | None = None) -> FlushResult:
             ],
             batch_size=1000,
         )
-    # Forget what is far older than the offline horizon so the sets stay small.
-    client.zremrangebyscore(key("seen"), "-inf", now - 86400)
-    client.zremrangebyscore(key("gone"), "-inf", horizon)
-    return FlushResult(
-        seen=len(online), came_online=[str(d) for d in came_online], went_offline=[str(d) for d in went_offline]
-    )
+    return came_online, went_offline
 
 
 def _number(value) -> float | None:
@@ -262,7 +288,7 @@ def _apply_online(rows: list[tuple]) -> list[str]:
                 f"""
                 WITH incoming(id, seen, battery, charging, free_mb, metrics) AS (VALUES {values}),
                 before AS (
-                    SELECT d.id, d.online FROM devices_device d JOIN incoming i ON i.id = d.id FOR UPDATE OF d
+                    SELECT d.id, d.online FROM devices_device d JOIN incoming i ON i.id = d.id FOR NO KEY UPDATE OF d
                 )
                 UPDATE devices_device d
                    SET online = true,

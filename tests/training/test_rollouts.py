@@ -58,6 +58,9 @@ def test_phases_pick_a_stable_growing_set_of_devices_and_advance_after_soak(flee
     first = set(Assignment.objects.filter(rollout=rollout).values_list("device_id", flat=True))
     expected = {d.device.pk for d in devices if device_bucket(rollout.pk, d.device.pk) < 30}
     assert first == expected and 0 < len(first) < 20
+    # assigned (each assignment locking its device) in id order, as the presence flush locks devices
+    made = list(Assignment.objects.filter(rollout=rollout).order_by("pk").values_list("device_id", flat=True))
+    assert made == sorted(made)
     assert rollout_tick(rollout=rollout) == "soaking"  # 60 s soak not over
     _age_phase(rollout, 61)
     assert rollout_tick(rollout=rollout) == "advanced"

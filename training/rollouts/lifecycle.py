@@ -176,8 +176,10 @@ def _round_released(version: AdapterVersion, now) -> None:
 
 def _phase_devices(rollout: Rollout, phase: int) -> list[Device]:
     percent = rollout.phases[phase]["percent"]
+    # In id order: each assignment locks its device, and writers that lock many devices (the presence flush) take
+    # them in id order too, so neither waits for the other in a cycle.
     devices = Device.objects.filter(cohort=rollout.cohort, status=DeviceStatus.ACTIVE).only("id", "running_version")
-    return [d for d in devices if device_bucket(rollout.pk, d.pk) < percent]
+    return [d for d in devices.order_by("pk") if device_bucket(rollout.pk, d.pk) < percent]
 
 
 def _assign_phase(rollout: Rollout) -> int:
@@ -289,7 +291,7 @@ def rollout_rollback(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     _supersede_pending(rollout, "rollout rolled back")
     reached = rollout.assignments.filter(state__in=[Assignment.State.INSTALLED, Assignment.State.DELIVERED])
     reverted = 0
-    for assignment in reached.select_related("device", "previous_version"):
+    for assignment in reached.select_related("device", "previous_version").order_by("device_id"):  # devices in id order
         if assignment.previous_version is None:
             continue  # it ran nothing before: there is nothing to go back to
         assignment_create(device=assignment.device, version=assignment.previous_version, rollout=None)
