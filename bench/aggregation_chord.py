@@ -34,28 +34,24 @@ def partials_root(size) -> Path:
     return TMP / size.label / "partials"
 
 
-# Files or deltas a stand-in worker takes at a time from the shared count (``_batches``): one, as the product
-# verifies each upload on whichever worker drains it (training.federation.verify_queue). Batches of 16 (the
-# drain's query) left 52 + 48 of 100 deltas to the two workers: a tenth of the two-worker time at 100 x 1M.
-BATCH = 1
-
-
-def _batches(taken, total: int):
-    """The next BATCH indices of ``total`` nobody has taken (``taken``: a count shared by the workers), until none
-    are left: the files or deltas go to whichever worker is free, so one slowed by something else on the host
-    takes fewer (halves fixed in advance left the other waiting up to 0.6 s at 300 x 10M)."""
+def _free_indices(taken, total: int):
+    """The indices of ``total`` files or deltas nobody has taken yet, one at a time (``taken``: a count shared by
+    the workers), until none are left: each goes to whichever worker is free, as the product verifies each upload
+    on whichever worker drains it (training.federation.verify_queue), so a worker slowed by something else on the
+    host takes fewer (halves fixed in advance left the other waiting up to 0.6 s at 300 x 10M; batches of 16, the
+    drain's query, left 52 + 48 of 100 deltas, a tenth of the two-worker time at 100 x 1M)."""
     while True:
         with taken.get_lock():
-            first = taken.value
-            taken.value = min(total, first + BATCH)
-        if first >= total:
+            index = taken.value
+            taken.value = min(total, index + 1)
+        if index >= total:
             return
-        yield range(first, min(total, first + BATCH))
+        yield index
 
 
 def _worker(job: dict, part, ready, go, results, closed, stopped, taken) -> None:
     """One stand-in Celery worker: imports, says ready, waits for the start, does its part, reports. The files
-    (the floor) or the deltas to verify are taken BATCH at a time from the count all workers share (``_batches``);
+    (the floor) or the deltas to verify are taken one at a time from the count all workers share (``_free_indices``);
     ``part``: then nothing (the floor), its coordinate span (``verify_fedavg_2w``), or the shards of deltas it
     sums (``verify_fedavg_2w_shards``), once every delta is verified (``closed``, a barrier: the round closes when
     its deltas are verified)."""
@@ -81,9 +77,7 @@ def _worker(job: dict, part, ready, go, results, closed, stopped, taken) -> None
     paths = [str(p) for p in size.paths()]
     done = 0
     if job["method"].startswith("floor"):
-        for batch in _batches(taken, size.n):
-            floor_pass([paths[i] for i in batch], [envelopes[i] for i in batch])
-            done += len(batch)
+        done = floor_pass(paths, envelopes, _free_indices(taken, size.n))  # one buffer for every file it takes
     else:
         from training.federation.aggregation_settings import AGGREGATION_DEFAULTS
         from training.federation.strategies import DeltaInput, get_strategy
@@ -103,10 +97,9 @@ def _worker(job: dict, part, ready, go, results, closed, stopped, taken) -> None
             return str(blob_path(blob.sha256))
 
         verifying = time.perf_counter()
-        for batch in _batches(taken, size.n):
-            for i in batch:
-                verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
-            done += len(batch)
+        for i in _free_indices(taken, size.n):
+            verify_streaming(i, paths[i], envelopes[i], spec, AGGREGATION_DEFAULTS["max_norm"])
+            done += 1
         out["verify_seconds"] = time.perf_counter() - verifying
         waiting = time.perf_counter()
         closed.wait()
@@ -149,8 +142,8 @@ WORKER_FIGURES = (
 
 
 def method_two(job, size, envelopes) -> dict:
-    """Two spawned processes share the work, as two Celery workers of the product: the floor, the files, BATCH
-    at a time to whichever is free (``_batches``); ``verify_fedavg_2w`` (the mean family without DP), the
+    """Two spawned processes share the work, as two Celery workers of the product: the floor, the files, each
+    to whichever is free (``_free_indices``); ``verify_fedavg_2w`` (the mean family without DP), the
     verification of the deltas, taken the same way, then, once all are verified, the fedavg of half the
     coordinates of every delta each (the chord's spans), the spans' values joined by this process
     (``assemble``, each part read as ``training.federation.aggregation._part`` does); ``verify_fedavg_2w_shards``

@@ -51,17 +51,23 @@ def sidecars(size) -> list[dict]:
 # --- the floor ----------------------------------------------------------------------------------------
 
 
-def floor_pass(paths: list[str], envelopes: list[dict]) -> None:
+def floor_pass(paths: list[str], envelopes: list[dict], order=None) -> int:
     """sha256 of each file plus one streaming numpy pass (float32 sum of every 1 MiB chunk), read into a buffer
     that starts on a page as the product's reads do (``training.registry.blobs.page_aligned``: a ``bytearray``,
-    16 bytes into a page, takes the kernel's copies twice as long)."""
+    16 bytes into a page, takes the kernel's copies twice as long). ``order``: the indices of the files to read,
+    taken one at a time (any iterable: the two-process floor's shared count), default all; one buffer for all of
+    them. Returns how many files it read."""
     import mmap
 
     import numpy as np
 
+    if len(paths) != len(envelopes):
+        raise ValueError(f"{len(paths)} files and {len(envelopes)} envelopes")
     buffer = mmap.mmap(-1, CHUNK)
     view = memoryview(buffer)
-    for path, sidecar in zip(paths, envelopes, strict=True):
+    done = 0
+    for index in range(len(paths)) if order is None else order:
+        path, sidecar = paths[index], envelopes[index]
         digest, total = hashlib.sha256(), 0.0
         with open(path, "rb", buffering=0) as handle:
             while count := handle.readinto(buffer):
@@ -69,6 +75,8 @@ def floor_pass(paths: list[str], envelopes: list[dict]) -> None:
                 total += float(np.frombuffer(buffer, dtype=np.float32, count=count // 4).sum())
         if digest.hexdigest() != sidecar["envelope"]["sha256"]:
             raise RuntimeError(f"{path}: the cached file does not match its envelope")
+        done += 1
+    return done
 
 
 # --- verification -------------------------------------------------------------------------------------
