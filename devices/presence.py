@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from functools import cache
 
@@ -31,6 +32,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
+from psycopg.errors import DeadlockDetected
 
 from devices.models import Device, DeviceEvent
 from devices.personalization import parse_personal
@@ -226,7 +228,7 @@ def flush_presence(*, now: float | None = None) -> FlushResult:
             came_online, went_offline = _write_presence(rows, list(online))
             break
         except OperationalError as exc:
-            if "deadlock detected" not in str(exc) or attempt == FLUSH_ATTEMPTS:
+            if not isinstance(exc.__cause__, DeadlockDetected) or attempt == FLUSH_ATTEMPTS:
                 raise
             logger.info("presence flush ended by PostgreSQL to break a deadlock; flushing again (%s)", attempt)
     # Forget what is far older than the offline horizon so the sets stay small.
@@ -243,14 +245,18 @@ def _write_presence(rows: list[tuple], online: list[str]) -> tuple[list[str], li
     order, in one statement: a writer that locks devices one by one in id order (a rollout's assignments) then
     waits for it or it for the writer, never each for the other, as they did when the flush locked its rows in
     whatever order the join gave them (a deadlock in the demo's first minute)."""
+    seen = {uuid.UUID(device_id) for device_id in online}
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT id FROM devices_device WHERE id = ANY(%s::uuid[]) OR online ORDER BY id FOR NO KEY UPDATE",
+                "SELECT id, online FROM devices_device WHERE id = ANY(%s::uuid[]) OR online "
+                "ORDER BY id FOR NO KEY UPDATE",
                 [online],
             )
+            locked = cursor.fetchall()
         came_online = _apply_online(rows)
-        went_offline = list(Device.objects.filter(online=True).exclude(pk__in=online).values_list("pk", flat=True))
+        # held since the lock above: the devices marked online that were not seen are the ones going offline
+        went_offline = [device_id for device_id, was_online in locked if was_online and device_id not in seen]
         if went_offline:
             Device.objects.filter(pk__in=went_offline, online=True).update(online=False)
         now_dt = timezone.now()
@@ -273,7 +279,8 @@ def _number(value) -> float | None:
 
 
 def _apply_online(rows: list[tuple]) -> list[str]:
-    """One UPDATE ... FROM (VALUES ...) per batch; returns the ids that were offline before."""
+    """One UPDATE ... FROM (VALUES ...) per batch; returns the ids that were offline before. The caller holds
+    the rows' locks (``_write_presence``), so ``before`` reads them without locking them again."""
     came_online: list[str] = []
     if not rows:
         return came_online
@@ -288,7 +295,7 @@ def _apply_online(rows: list[tuple]) -> list[str]:
                 f"""
                 WITH incoming(id, seen, battery, charging, free_mb, metrics) AS (VALUES {values}),
                 before AS (
-                    SELECT d.id, d.online FROM devices_device d JOIN incoming i ON i.id = d.id FOR NO KEY UPDATE OF d
+                    SELECT d.id, d.online FROM devices_device d JOIN incoming i ON i.id = d.id
                 )
                 UPDATE devices_device d
                    SET online = true,

@@ -157,17 +157,20 @@ def assemble_spans(parts, *, spec, inputs) -> dict[str, torch.Tensor]:
     for part in parts:
         values = part.reshape(-1).to(torch.float32)
         end = at + values.numel()
-        for key in order.keys if end <= order.total else ():
+        if end > order.total:  # too many coordinates: counted on, and refused below
+            at = end
+            continue
+        for key in order.keys:
             start, shape = order.starts[key], order.shapes[key]
             stop = start + math.prod(shape)
             if stop <= at or start >= end:
                 continue
             if at <= start and stop <= end:
                 out[key] = values[start - at : stop - at].view(shape)
-                continue
-            target = out.setdefault(key, torch.empty(shape, dtype=torch.float32)).view(-1)
-            low, high = max(at, start), min(end, stop)
-            target[low - start : high - start] = values[low - at : high - at]
+            else:
+                target = out.setdefault(key, torch.empty(shape, dtype=torch.float32)).view(-1)
+                low, high = max(at, start), min(end, stop)
+                target[low - start : high - start] = values[low - at : high - at]
         at = end
     if at != order.total:
         raise ValueError(f"the spans hold {at} coordinates, the adapter has {order.total}")
