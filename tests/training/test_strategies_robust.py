@@ -124,6 +124,52 @@ def test_trimmed_mean_in_many_chunks_equals_sorted_trimming(tmp_path, monkeypatc
         torch.testing.assert_close(got[key], kept.double().mean(0).float(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("n", [2, 3, 8, 11])
+def test_order_statistics_read_across_sorted_halves_are_a_whole_sort_s(n):
+    # Values from a few integers: many ties, within a half and across the two.
+    rng = np.random.default_rng(n)
+    rows = rng.integers(-3, 4, size=(500, n)).astype(np.float32)
+    rows[::7] = rng.standard_normal((len(rows[::7]), n)).astype(np.float32)
+    ordered = np.sort(rows, axis=1)
+    for k in range(1, n):
+        lower, upper = strategies_robust.SortedHalves(rows.copy()).around(k)
+        assert np.array_equal(lower, ordered[:, k - 1]) and np.array_equal(upper, ordered[:, k]), k
+    for cut in range((n + 1) // 2):
+        got = strategies_robust.SortedHalves(rows.copy()).middle_sum(cut)
+        np.testing.assert_allclose(got, ordered[:, cut : n - cut].sum(axis=1, dtype=np.float64), rtol=1e-12, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [7, 8])
+def test_a_median_of_rows_sorted_in_halves_equals_the_reference(tmp_path, monkeypatch, n):
+    # Rows longer than SORTED_RUN (made 3 here, 513 deltas and up in a round) are sorted as two halves: the same bytes.
+    monkeypatch.setattr(strategies_robust, "SORTED_RUN", 3)
+    inputs = make_inputs(tmp_path, n, encoding="f16")
+    got = run("median", inputs, {"chunk_elements": 7})
+    for key, stacked in stacked_reference(inputs).items():
+        ordered = stacked.sort(dim=0).values
+        middle = ordered[n // 2]  # for an even N, the mean of the two middle values
+        want = middle if n % 2 else ((ordered[n // 2 - 1].double() + middle.double()) / 2).float()
+        assert torch.equal(got[key], want), key
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.2, 0.45])
+def test_a_trimmed_mean_of_rows_sorted_in_halves_equals_sorted_trimming_and_cuts_huge_values(
+    tmp_path, monkeypatch, ratio
+):
+    monkeypatch.setattr(strategies_robust, "SORTED_RUN", 3)
+    inputs = make_inputs(tmp_path, 10, encoding="int8")
+    # One delta far above every other at every coordinate, one far below: the least cut (one a side) drops both.
+    huge = rand_tensors(torch.Generator().manual_seed(1))
+    inputs[2] = DeltaInput(write(tmp_path, "above", {k: v.abs() * 1e30 + 1e30 for k, v in huge.items()}), 1)
+    inputs[7] = DeltaInput(write(tmp_path, "below", {k: -v.abs() * 1e30 - 1e30 for k, v in huge.items()}), 1)
+    got = run("trimmed_mean", inputs, {"chunk_elements": 5, "trim_ratio": ratio})
+    cut = int(ratio * 10)
+    for key, stacked in stacked_reference(inputs).items():
+        kept = stacked.sort(dim=0).values[cut : 10 - cut]
+        torch.testing.assert_close(got[key], kept.double().mean(0).float(), rtol=1e-6, atol=1e-7)
+        assert float(got[key].abs().max()) < 10, key
+
+
 def test_trimmed_mean_defaults_to_ten_percent_and_resists_an_outlier(tmp_path):
     inputs = make_inputs(tmp_path, 10)
     inputs[3] = DeltaInput(write(tmp_path, "huge", rand_tensors(torch.Generator(), scale=1e6)), 1)

@@ -7,8 +7,9 @@ own memory (O(model)) is set aside where that is less (at most ``chunk_elements`
 in N and within the budget, never N whole deltas. Clipping (``clip_norm``) scales each delta's values by
 ``min(1, C / norm)``. Each coordinate's N values are laid side by side (a tiled transposition, a cache-sized
 part of a block at a time) and sorted in place, numpy's vectorized sort being faster on rows this short than a
-selection (which the median of an odd N above ``Median.SORT_UP_TO`` uses); Krum's Gram matrix is float32 matrix
-products of short blocks, added up in float64.
+selection (which the median of an odd N above ``Median.SORT_UP_TO`` uses); a row of more than ``SORTED_RUN``
+values is sorted as two halves, its middle values read across them (``SortedHalves``). Krum's Gram matrix is
+float32 matrix products of short blocks, added up in float64.
 
 They are unweighted on purpose: ``num_samples`` is reported by the device itself, so weighting by it would
 let one attacker claiming a huge sample count outweigh everyone and void the breakdown point these rules
@@ -92,6 +93,71 @@ SIDE_BY_SIDE_BYTES = 2 << 20
 def side_by_side(n: int) -> int:
     """Coordinates of N deltas laid side by side and reduced at a time (at least 64)."""
     return max(64, SIDE_BY_SIDE_BYTES // (4 * max(1, n)))
+
+
+# numpy sorts a row of float32 values for about 1 ns a value up to 512 values a row and for 4 to 5 ns a value
+# from 513 on (its vectorized sort takes a short row in one sorting network; 1.14 at 512, 4.3 at 513, 5.4 at 1,000
+# on a 2-core AMD EPYC host, the same with numpy 2.2 to 2.4, ``partition`` no faster). A longer row is sorted as
+# two halves and the order statistics a rule needs are read across them (``SortedHalves``): 1.7 ns a value at
+# N = 1,000 for the median, 3.1 for the trimmed mean (bench/README.md, "Measured: the rows sorted in halves").
+SORTED_RUN = 512
+
+
+class SortedHalves:
+    """Each row of ``rows`` (float32 [m, N], finite values) sorted in place as two halves: ``first``, its first
+    ceil(N / 2) values, and ``second``, the rest; the row's order statistics are read across the two."""
+
+    def __init__(self, rows: np.ndarray):
+        self.n = rows.shape[1]
+        self.a = (self.n + 1) // 2
+        self.first, self.second = rows[:, : self.a], rows[:, self.a :]
+        self.first.sort(axis=1)
+        self.second.sort(axis=1)
+        self.index = np.arange(rows.shape[0])
+
+    def split(self, k: int) -> np.ndarray:
+        """Per row, the least i such that ``first[:i]`` and ``second[:k - i]`` together are k smallest values of
+        the row (0 <= k <= N): a binary search, every row at once. Never less for a larger k."""
+        lo = np.full(len(self.index), max(0, k - (self.n - self.a)), dtype=np.intp)
+        hi = np.full(len(self.index), min(k, self.a), dtype=np.intp)
+        while (searching := lo < hi).any():
+            mid = (lo + hi) >> 1
+            # Where lo <= mid < hi, first[mid] and second[k - mid - 1] are values of the row (clipped elsewhere):
+            # taking mid from first is enough when second's last taken value is no larger than first's next.
+            enough = (
+                self.second[self.index, np.maximum(k - mid - 1, 0)]
+                <= self.first[self.index, np.minimum(mid, self.a - 1)]
+            )
+            hi = np.where(searching & enough, mid, hi)
+            lo = np.where(searching & ~enough, mid + 1, lo)
+        return lo
+
+    def around(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, its k-th and (k + 1)-th smallest values (1 <= k < N): a sorted row's values at k - 1 and k."""
+        taken = self.split(k)
+        lower, upper = [], []
+        for part, count in ((self.first, taken), (self.second, k - taken)):
+            width = part.shape[1]
+            lower.append(np.where(count > 0, part[self.index, np.maximum(count - 1, 0)], -np.inf))
+            upper.append(np.where(count < width, part[self.index, np.minimum(count, width - 1)], np.inf))
+        return np.maximum(*lower).astype(np.float32), np.minimum(*upper).astype(np.float32)
+
+    def middle_sum(self, cut: int) -> np.ndarray:
+        """Per row, the float64 sum of its values but its ``cut`` smallest and ``cut`` largest (2 cut < N). Each
+        half's kept values are a run of it; the columns no run can leave out (``cut`` in from either end) are
+        summed whole, the ends by a mask, so a huge value cut away never enters the sum."""
+        low, high = self.split(cut), self.split(self.n - cut)
+        total = np.zeros(len(self.index), dtype=np.float64)
+        for part, start, stop in ((self.first, low, high), (self.second, cut - low, self.n - cut - high)):
+            width = part.shape[1]
+            inner = min(cut, width)  # the columns [inner, outer) are kept in every row
+            outer = max(inner, width - cut)
+            total += part[:, inner:outer].sum(axis=1, dtype=np.float64)
+            for first, last in ((0, inner), (outer, width)):
+                columns = np.arange(first, last)
+                kept = (columns >= start[:, None]) & (columns < stop[:, None])
+                total += np.where(kept, part[:, first:last], np.float32(0)).sum(axis=1, dtype=np.float64)
+        return total
 
 
 def distance_row(gram: torch.Tensor, squares: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
@@ -340,6 +406,8 @@ class TrimmedMean(CoordinateStrategy):
     def reduce(self, rows, params):
         n = rows.shape[1]
         cut = int(params["trim_ratio"] * n)
+        if cut and n > SORTED_RUN:
+            return (SortedHalves(rows).middle_sum(cut) / (n - 2 * cut)).astype(np.float32)
         if cut:
             rows.sort(axis=1)
         return (rows[:, cut : n - cut].sum(axis=1, dtype=np.float64) / (n - 2 * cut)).astype(np.float32)
@@ -352,12 +420,16 @@ class Median(CoordinateStrategy):
 
     # Up to this many deltas a sort of each row (numpy's is vectorized) is faster than a selection
     # (``partition``), and for an even N it gives both middle values at once; measured on rows of 7 to 1,000
-    # float32 values (bench/README.md, "aggregation.py"). Above it, an odd N selects its one middle value.
+    # float32 values (bench/README.md, "aggregation.py"). Above it, an odd N selects its one middle value; above
+    # SORTED_RUN, any N reads its middle values across the row's sorted halves.
     SORT_UP_TO = 256
 
     def reduce(self, rows, params):
         n = rows.shape[1]
         middle = n // 2
+        if n > SORTED_RUN:
+            lower, upper = SortedHalves(rows).around(middle)
+            return upper if n % 2 else ((lower.astype(np.float64) + upper) / 2).astype(np.float32)
         if n % 2 == 0 or n <= self.SORT_UP_TO:
             rows.sort(axis=1)
         else:
