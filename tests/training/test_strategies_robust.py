@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import training.federation.strategies.coordinate_rows as coordinate_rows
 import training.federation.strategies.robust as strategies_robust
 from tests.training.strategy_support import (
     SPEC,
@@ -79,7 +80,7 @@ def test_deltas_with_one_header_share_their_pieces_and_one_with_another_reads_it
 def test_the_tiled_transposition_is_the_transpose(n, c):
     values = torch.randn(n, c, generator=torch.Generator().manual_seed(n))
     out = torch.full((c, n), float("nan"))
-    strategies_robust.transpose_into(out, values)
+    coordinate_rows.transpose_into(out, values)
     assert torch.equal(out, values.T)
 
 
@@ -104,10 +105,10 @@ def test_blocks_laid_side_by_side_in_small_parts_give_the_same_bytes(tmp_path, m
     # tiles of 3 deltas by 16 coordinates, several to a part: the same values as whole blocks laid out at once.
     inputs = make_inputs(tmp_path, 9)
     whole = run(name, inputs, {"chunk_elements": 1 << 20})
-    monkeypatch.setattr(strategies_robust, "SIDE_BY_SIDE_BYTES", 1)
-    monkeypatch.setattr(strategies_robust, "TILE_ROWS", 3)
-    monkeypatch.setattr(strategies_robust, "TILE_COLUMNS", 16)
-    assert strategies_robust.side_by_side(9) == 64
+    monkeypatch.setattr(coordinate_rows, "SIDE_BY_SIDE_BYTES", 1)
+    monkeypatch.setattr(coordinate_rows, "TILE_ROWS", 3)
+    monkeypatch.setattr(coordinate_rows, "TILE_COLUMNS", 16)
+    assert coordinate_rows.side_by_side(9) == 64
     parts = run(name, inputs, {"chunk_elements": 150})
     assert whole.keys() == parts.keys()
     for key in whole:
@@ -132,17 +133,17 @@ def test_order_statistics_read_across_sorted_halves_are_a_whole_sort_s(n):
     rows[::7] = rng.standard_normal((len(rows[::7]), n)).astype(np.float32)
     ordered = np.sort(rows, axis=1)
     for k in range(1, n):
-        lower, upper = strategies_robust.SortedHalves(rows.copy()).around(k)
+        lower, upper = coordinate_rows.SortedHalves(rows.copy()).around(k)
         assert np.array_equal(lower, ordered[:, k - 1]) and np.array_equal(upper, ordered[:, k]), k
     for cut in range((n + 1) // 2):
-        got = strategies_robust.SortedHalves(rows.copy()).middle_sum(cut)
+        got = coordinate_rows.SortedHalves(rows.copy()).middle_sum(cut)
         np.testing.assert_allclose(got, ordered[:, cut : n - cut].sum(axis=1, dtype=np.float64), rtol=1e-12, atol=1e-6)
 
 
 @pytest.mark.parametrize("n", [7, 8])
 def test_a_median_of_rows_sorted_in_halves_equals_the_reference(tmp_path, monkeypatch, n):
     # Rows longer than SORTED_RUN (made 3 here, 513 deltas and up in a round) are sorted as two halves: the same bytes.
-    monkeypatch.setattr(strategies_robust, "SORTED_RUN", 3)
+    monkeypatch.setattr(coordinate_rows, "SORTED_RUN", 3)
     inputs = make_inputs(tmp_path, n, encoding="f16")
     got = run("median", inputs, {"chunk_elements": 7})
     for key, stacked in stacked_reference(inputs).items():
@@ -156,7 +157,7 @@ def test_a_median_of_rows_sorted_in_halves_equals_the_reference(tmp_path, monkey
 def test_a_trimmed_mean_of_rows_sorted_in_halves_equals_sorted_trimming_and_cuts_huge_values(
     tmp_path, monkeypatch, ratio
 ):
-    monkeypatch.setattr(strategies_robust, "SORTED_RUN", 3)
+    monkeypatch.setattr(coordinate_rows, "SORTED_RUN", 3)
     inputs = make_inputs(tmp_path, 10, encoding="int8")
     # One delta far above every other at every coordinate, one far below: the least cut (one a side) drops both.
     huge = rand_tensors(torch.Generator().manual_seed(1))
@@ -381,7 +382,7 @@ def test_blocks_leave_room_in_the_memory_budget_for_the_result(name, n, total):
     for per_value in (strategy.BLOCK_BYTES, strategy.MIXING_BLOCK_BYTES):
         columns = strategy.columns(n, params, per_value, total)
         used = columns * n * per_value + strategy.RESULT_BYTES * total + strategy.RESERVE_BYTES
-        used += 4 * n * strategies_robust.side_by_side(n)  # the part of a block laid side by side
+        used += 4 * n * coordinate_rows.side_by_side(n)  # the part of a block laid side by side
         assert used <= budget
         # WORKING_BYTES whatever N is (memory flat in N), or as large as the budget holds where that is less
         room = min(strategy.WORKING_BYTES, budget - (used - columns * n * per_value))
