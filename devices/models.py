@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import uuid
 
 from django.conf import settings
@@ -175,6 +176,19 @@ class ServerKeyRotation(models.Model):
         return {"statement": self.statement, "signature": self.signature, "new_signature": self.new_signature}
 
 
+def gain_interval_points(shared: float, personal: float, samples: int) -> float | None:
+    """The half-width, in points, of a 95% interval on a gain measured on ``samples`` held samples (both models on
+    the same samples; the two accuracies' variances added, each from an Agresti-Coull estimate so that 3 of 3
+    right is not taken as certain). None without samples. Three held samples give about ±50 points."""
+    if samples <= 0:
+        return None
+    variance = 0.0
+    for accuracy in (shared, personal):
+        adjusted = (accuracy * samples + 2) / (samples + 4)
+        variance += adjusted * (1 - adjusted) / (samples + 4)
+    return round(196 * math.sqrt(variance), 3)
+
+
 class PersonalizationReport(models.Model):
     """One measurement of a device's own model against the shared version it runs, from its heartbeat.
 
@@ -225,3 +239,8 @@ class PersonalizationReport(models.Model):
     def gain_points(self) -> float:
         """What the personal model gains over the shared one, in accuracy points."""
         return round((self.personal_accuracy - self.shared_accuracy) * 100, 9)
+
+    @property
+    def interval_points(self) -> float | None:
+        """Half-width of a 95% interval on ``gain_points`` (``gain_interval_points``)."""
+        return gain_interval_points(self.shared_accuracy, self.personal_accuracy, self.val_samples)

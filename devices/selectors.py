@@ -3,18 +3,21 @@ devices' personalization reports: one device's history, and the fleet's figures 
 
 The fleet's figures come from each device's latest report for the adapter (``PersonalizationReport.latest``,
 one indexed read whatever the history holds), of devices that are not retired. Gains are in accuracy points
-(personal minus shared, times 100): a device gains above 0 and is not worse at -0.5 points or more.
+(personal minus shared, times 100): a device gains above 0 and is not worse at -0.5 points or more. A gain is
+measured on the device's held samples, often a handful: each carries a 95% interval, and the fleet's figures add the
+mean weighted by held samples with its interval, and how many devices hold enough samples to judge by.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.db.models import Avg, Count, F, Q, QuerySet
 
-from devices.models import Device, DeviceStatus, PersonalizationReport
+from devices.models import Device, DeviceStatus, PersonalizationReport, gain_interval_points
 
 NOT_WORSE_POINTS = -0.5  # a device this close to the shared model (or better) lost nothing that matters
 GAIN_BIN_POINTS = 5
@@ -34,6 +37,9 @@ def device_history(device_id) -> QuerySet:
     return PersonalizationReport.objects.filter(device_id=device_id).order_by("-measured_at", "-id")
 
 
+JUDGED_SAMPLES = 10  # held samples below which a device's gain is shown as rough, not as a finding
+
+
 @dataclass(frozen=True)
 class Latest:
     """One device's latest report for an adapter, as the fleet's figures read it."""
@@ -43,10 +49,15 @@ class Latest:
     serving: str
     shared_accuracy: float
     personal_accuracy: float
+    val_samples: int = 0  # the held samples both were measured on
 
     @property
     def gain_points(self) -> float:
         return round((self.personal_accuracy - self.shared_accuracy) * 100, 9)
+
+    @property
+    def interval_points(self) -> float | None:
+        return gain_interval_points(self.shared_accuracy, self.personal_accuracy, self.val_samples)
 
 
 def latest_reports(*, adapter_id: int | None = None) -> list[Latest]:
@@ -54,7 +65,7 @@ def latest_reports(*, adapter_id: int | None = None) -> list[Latest]:
     rows = PersonalizationReport.objects.filter(latest=True).exclude(device__status=DeviceStatus.RETIRED)
     if adapter_id is not None:
         rows = rows.filter(adapter_id=adapter_id)
-    fields = ("device__cohort__name", "method", "serving", "shared_accuracy", "personal_accuracy")
+    fields = ("device__cohort__name", "method", "serving", "shared_accuracy", "personal_accuracy", "val_samples")
     return [Latest(*row) for row in rows.order_by().values_list(*fields)]
 
 
@@ -85,8 +96,17 @@ def summarize(reports: Iterable[Latest]) -> dict:
     serving = Counter(report.serving for report in reports)
     gaining = sum(points > 0 for points in gains)
     not_worse = sum(points >= NOT_WORSE_POINTS for points in gains)
+    held = sum(report.val_samples for report in reports)
+    weighted = round(sum(report.gain_points * report.val_samples for report in reports) / held, 6) if held else None
+    # the weighted mean's own interval: each device's variance, weighted as its gain is
+    spread = [(report.val_samples, report.interval_points) for report in reports if report.val_samples]
+    interval = round(math.sqrt(sum((w * (h / 1.96)) ** 2 for w, h in spread)) * 1.96 / held, 3) if held else None
     return {
         "devices": len(reports),
+        "held_samples": held,
+        "devices_judged": sum(report.val_samples >= JUDGED_SAMPLES for report in reports),
+        "weighted_gain_points": weighted,
+        "weighted_gain_interval_points": interval,
         "mean_shared_accuracy": _mean([report.shared_accuracy for report in reports]),
         "mean_personal_accuracy": _mean([report.personal_accuracy for report in reports]),
         "mean_gain_points": _mean(gains),

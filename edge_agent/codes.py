@@ -190,7 +190,7 @@ CODES: tuple[Code, ...] = (
     Code(
         "stale_base_version",
         _REJECTION,
-        "the base version is more than the adapter's max_staleness behind the newest",
+        "the base version is more than the adapter's max_staleness released versions behind the newest released one",
         GIVE_UP,
         "train on the newest version you are assigned",
     ),

@@ -307,7 +307,7 @@ def personalize(
         # A fixed budget of epochs, kept whole (the last epoch, not the best of a tiny validation slice by loss),
         # undone only if held-out accuracy got worse, then refit on all local data (TrainConfig.refit).
         run = replace(config, epochs=epochs, lr=settings.lr, update_replay=False, metric="accuracy",
-                      min_delta=-1.0, patience=epochs + 1, refit=True,
+                      min_delta=-1.0, patience=epochs + 1, refit=True, restrict_classes=False,
                       judge_min_samples=settings.min_val_samples)  # fmt: skip
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
         result.notes[:0] = notes

@@ -213,7 +213,7 @@ class DeviceRuntime:
         return device_split(data)
 
     def _train_config(self, checkpoint_dir: Path) -> TrainConfig:
-        defaults = {"refit": True, "judge_min_samples": JUDGE_MIN_SAMPLES}
+        defaults = {"refit": True, "judge_min_samples": JUDGE_MIN_SAMPLES, "restrict_classes": True}
         return TrainConfig(**{**defaults, **self.config.train, "checkpoint_dir": checkpoint_dir})
 
     def _replay(self) -> ReplayBuffer:

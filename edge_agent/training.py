@@ -27,7 +27,15 @@ from torch import nn
 
 from edge_agent.checkpoint import CheckpointManager
 from edge_agent.ewc import OnlineEWC
-from edge_agent.families.common import classification_evaluate, classification_loss, concat, size, take
+from edge_agent.families.common import (
+    LABEL,
+    classification_evaluate,
+    classification_loss,
+    concat,
+    restricted_classification_loss,
+    size,
+    take,
+)
 from edge_agent.lora_layers import adapter_parameters, adapter_tensors, load_adapter_tensors
 from edge_agent.samples import ReplayBuffer
 
@@ -66,6 +74,9 @@ class TrainConfig:
     # then trains every epoch, keeps the last and never discards for being worse (only for diverging). It is
     # still measured on the slice. 0: always judge.
     judge_min_samples: int = 0
+    # Train the logits of the classes this run's samples hold only (the family's ``restricted_loss``): the shared
+    # pass sets it, so a device that sees two or three classes does not teach the fleet to never predict the rest.
+    restrict_classes: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -154,6 +165,20 @@ def _better(candidate: dict, best: dict | None, config: TrainConfig) -> bool:
     return candidate["accuracy"] > best["accuracy"] + config.min_delta
 
 
+def _restricted(family, train_data, val_data, replay, notes: list[str]):
+    """The loss over the classes the run's samples (and its replay buffer) hold, or None (with a note) when the
+    family has no ``restricted_loss``."""
+    restricted = getattr(family, "restricted_loss", None) if family is not None else restricted_classification_loss
+    if restricted is None:
+        notes.append("the family has no restricted loss: trained over every class")
+        return None
+    labels = [train_data[LABEL], val_data[LABEL]] if LABEL in val_data else [train_data[LABEL]]
+    if replay is not None and len(replay) and LABEL in replay.data:
+        labels.append(torch.as_tensor(replay.data[LABEL]))
+    classes = torch.unique(torch.cat([torch.as_tensor(y).reshape(-1).long() for y in labels]))
+    return lambda model, batch: restricted(model, batch, classes)
+
+
 def train_adapter(
     model: nn.Module,
     train_data: dict[str, torch.Tensor],
@@ -178,6 +203,8 @@ def train_adapter(
     val_data = {k: torch.as_tensor(v) for k, v in val_data.items()}
     n, has_val = size(train_data), size(val_data) > 0
     notes: list[str] = []
+    if config.restrict_classes:
+        loss_fn = _restricted(family, train_data, val_data, replay, notes) or loss_fn
     if has_val and size(val_data) < config.judge_min_samples:
         notes.append(f"{size(val_data)} validation samples are too few to judge by: trained every epoch, kept")
         config = replace(config, patience=config.epochs + 1, min_delta=-math.inf, discard_tolerance=math.inf)

@@ -91,6 +91,17 @@ def training_event(kind: str, detail: dict | None, adapter: str = "", version: A
     if kind == "version.created":
         source = f"from seed {detail['seed']}" if detail.get("source") == "seed" else "imported"
         return f"{_version(version, adapter)} created, {source}"
+    if kind == "version.gate_failed":
+        return f"{_version(version, adapter)} failed the release gate and stays a candidate{_reason(detail)}"
+    if kind == "version.gate_overridden":
+        why = f": {detail['reason']}" if detail.get("reason") else ""
+        doing = detail.get("doing", "release")
+        return f"{_version(version, adapter)}: the release gate was overridden to {doing} it{why}"
+    if kind == "version.release_held":
+        return (
+            f"{_version(version, adapter)} was not rolled out automatically to {detail.get('cohort', 'a cohort')}: "
+            f"an operator's rollout {detail.get('rollout', '?')} is in progress there"
+        )
     if group == "version":
         return f"{_version(version, adapter)} {words(action)}{_reason(detail)}"
     if group == "round":
@@ -160,7 +171,8 @@ def _round_live(kind: str, data: dict) -> str:
     deltas = data.get("deltas")
     if kind == "round.completed":
         made = f"made version {data['result_version']}" if data.get("result_version") else "completed"
-        return f"{this} {made}{' from ' + plural(deltas, 'delta') if deltas is not None else ''}"
+        held = "; it failed the release gate and stays a candidate" if data.get("gate") == "failed" else ""
+        return f"{this} {made}{' from ' + plural(deltas, 'delta') if deltas is not None else ''}{held}"
     if kind == "round.failed":
         return f"{this} failed{_reason(data, 'failure')}"
     if data.get("state") == "aggregating":

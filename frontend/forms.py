@@ -108,6 +108,20 @@ def _parse_guards(text: str) -> list[dict]:
     return guards
 
 
+def version_choice_label(version) -> str:
+    """ "digits-lora v7 (candidate, eval_accuracy 0.611, failed the release gate)": what an operator chooses by."""
+    parts = [version.state]
+    accuracy = (version.metrics or {}).get("eval_accuracy")
+    if isinstance(accuracy, int | float):
+        parts.append(f"eval_accuracy {accuracy:.3f}")
+    verdict = (version.gate or {}).get("verdict")
+    if verdict == "failed":
+        parts.append("failed the release gate")
+    elif verdict == "overridden":
+        parts.append("release gate overridden")
+    return f"{version.adapter.name} v{version.number} ({', '.join(parts)})"
+
+
 class RolloutForm(forms.Form):
     version = forms.ModelChoiceField(
         queryset=AdapterVersion.objects.exclude(state=AdapterVersion.State.REVOKED).select_related("adapter"),
@@ -127,18 +141,48 @@ class RolloutForm(forms.Form):
     )
     on_breach = forms.ChoiceField(choices=Rollout.OnBreach.choices, initial=Rollout.OnBreach.PAUSE)
     max_failure_rate = forms.FloatField(min_value=0, max_value=1, initial=0.2)
+    override_gate = forms.BooleanField(
+        required=False,
+        label="Override the release gate",
+        help_text="Only for a version that failed the gate (it evaluated worse than the best released one).",
+    )
+    override_reason = forms.CharField(
+        required=False, max_length=300, help_text="Why it should reach devices anyway (recorded)."
+    )
 
     def __init__(self, *args, versions=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["version"].label_from_instance = lambda v: f"{v.adapter.name} v{v.number} ({v.state})"
+        self.fields["version"].label_from_instance = version_choice_label
         if versions is not None:
-            self.fields["version"].choices = [(v.pk, f"{v.adapter.name} v{v.number} ({v.state})") for v in versions]
+            self.fields["version"].choices = [(v.pk, version_choice_label(v)) for v in versions]
+            # Offered first: the newest version of the first adapter that did not fail the release gate.
+            good = next((v for v in versions if (v.gate or {}).get("verdict") != "failed"), None)
+            if good is not None and not self.is_bound:
+                self.initial.setdefault("version", good.pk)
 
     def clean_phases(self):
         return _parse_phases(self.cleaned_data["phases"])
 
     def clean_guards(self):
         return _parse_guards(self.cleaned_data.get("guards") or "")
+
+
+class ReleaseSettingsForm(forms.Form):
+    """Automatic release and the release gate's margin (``training.federation.release_gate``), part of the
+    adapter's aggregation settings; the margin in accuracy points here, a fraction in the API."""
+
+    auto_release = forms.BooleanField(
+        required=False,
+        label="Release each round's version automatically",
+        help_text="When it passes the release gate: rolled out to every cohort at once. An operator's own rollout "
+        "in progress in a cohort is left alone there.",
+    )
+    margin_points = forms.FloatField(
+        min_value=0,
+        max_value=100,
+        label="Release margin (accuracy points)",
+        help_text="A version evaluated worse than the best released one by more than this stays a candidate.",
+    )
 
 
 class AdapterCohortsForm(forms.Form):

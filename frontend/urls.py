@@ -19,6 +19,7 @@ urlpatterns = [
     path("adapters/", views.adapters, name="adapters"),
     path("adapters/<int:pk>/", views.adapter_detail, name="adapter-detail"),
     path("adapters/<int:pk>/cohorts/", views.adapter_cohorts, name="adapter-cohorts"),
+    path("adapters/<int:pk>/release/", views.adapter_release_settings, name="adapter-release-settings"),
     path("rounds/", views.rounds, name="rounds"),
     path("rounds/<int:pk>/", views.round_detail, name="round-detail"),
     path("rounds/<int:pk>/<slug:action>/", views.round_action, name="round-action"),

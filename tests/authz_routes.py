@@ -192,6 +192,7 @@ PAGE_ROLES = {
     "frontend:adapters": {"get": VIEWER, "post": VIEWER},  # a redirect to the models page
     "frontend:adapter-detail": {"get": VIEWER, "post": OPERATOR},  # a POST changes the personalization setting
     "frontend:adapter-cohorts": {"get": NOBODY, "post": ADMIN},
+    "frontend:adapter-release-settings": {"get": NOBODY, "post": OPERATOR},
     "frontend:rounds": {"get": VIEWER, "post": OPERATOR},
     "frontend:round-detail": {"get": VIEWER, "post": VIEWER},
     "frontend:round-action": {"get": NOBODY, "post": OPERATOR},

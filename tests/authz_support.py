@@ -133,6 +133,7 @@ class World:
                 "private_modules": "head",
             },
             ("frontend:adapter-cohorts", "post"): {},  # nothing ticked: the adapter would serve no cohort
+            ("frontend:adapter-release-settings", "post"): {"auto_release": "on", "margin_points": "1"},
             ("frontend:rollout-create", "post"): {
                 "version": self.candidate.pk,
                 "cohort": self.cohort.pk,

@@ -66,8 +66,8 @@ class AdapterVersion(models.Model):
     """One immutable adapter artifact (safetensors with PEFT key names), numbered per adapter.
 
     The bytes live in blob storage under their sha256, never in this row. Once written, ``blob_sha256``,
-    ``size``, ``number`` and ``parent`` never change; only ``state`` (candidate → released → revoked) and the
-    evaluation ``metrics`` do.
+    ``size``, ``number`` and ``parent`` never change; only ``state`` (candidate → released → revoked), the
+    evaluation ``metrics`` and the release ``gate``'s verdict do.
     """
 
     class Source(models.TextChoices):
@@ -90,6 +90,9 @@ class AdapterVersion(models.Model):
     note = models.CharField(max_length=200, blank=True)
     metrics = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.CANDIDATE)
+    # The release gate's last verdict (training.federation.release_gate): {verdict, reason, metric, value,
+    # reference, reference_value, margin, judged_at}; empty until it is judged.
+    gate = models.JSONField(default=dict, blank=True, help_text="the release gate's last verdict on this version")
     # The round that made this version; unique, so a round re-run after a crash can never make a second one.
     round = models.OneToOneField(
         "training.Round", on_delete=models.PROTECT, null=True, blank=True, related_name="result_version"

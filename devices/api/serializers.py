@@ -254,6 +254,9 @@ class PersonalizationReportSerializer(serializers.ModelSerializer):
     adapter = serializers.CharField(source="adapter_name")
     version = serializers.IntegerField(source="version_number", help_text="the shared version measured")
     gain_points = serializers.FloatField(help_text="personal minus shared accuracy, in points")
+    interval_points = serializers.FloatField(
+        allow_null=True, read_only=True, help_text="half-width of a 95% interval on gain_points (held samples)"
+    )
 
     class Meta:
         model = PersonalizationReport
@@ -266,6 +269,7 @@ class PersonalizationReportSerializer(serializers.ModelSerializer):
             "shared_accuracy",
             "personal_accuracy",
             "gain_points",
+            "interval_points",
             "val_samples",
             "trained_samples",
             "measured_at",

@@ -56,6 +56,18 @@ def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tor
     return F.cross_entropy(model(**inputs(batch)), batch[LABEL])
 
 
+def restricted_classification_loss(model: nn.Module, batch: dict[str, torch.Tensor], classes: torch.Tensor):
+    """Cross-entropy over ``classes`` only (the others' logits masked out): a device whose users show it two or
+    three classes trains what it knows of them and says nothing of the rest. With the full softmax every local
+    step also pushes the absent classes' logits down, and a few such updates averaged together make a shared
+    model that no longer predicts them (README.md, "The release gate"; FedRS, Li and Zhan 2021, restricts the
+    softmax the same way)."""
+    logits = model(**inputs(batch))
+    mask = torch.full((logits.shape[-1],), float("-inf"), dtype=logits.dtype)
+    mask[classes] = 0.0
+    return F.cross_entropy(logits + mask, batch[LABEL])
+
+
 @torch.no_grad()
 def batched_logits(model: nn.Module, data: dict[str, torch.Tensor], *, batch_size: int = 256):
     """``(batch, logits)`` for ``data`` in slices of ``batch_size``, with the model in eval mode and no gradients

@@ -19,6 +19,7 @@ from edge_agent.families.common import (
     classification_evaluate,
     classification_loss,
     dirichlet_shards,
+    restricted_classification_loss,
     take,
 )
 from edge_agent.families.digits_users import UserProfile, factory_split, profile_for, user_data
@@ -139,3 +140,6 @@ class DigitsCNN:
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return classification_loss(model, batch)
+
+    def restricted_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], classes: torch.Tensor) -> torch.Tensor:
+        return restricted_classification_loss(model, batch, classes)

@@ -18,7 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.families.common import SampleField, classification_evaluate, classification_loss
+from edge_agent.families.common import (
+    SampleField,
+    classification_evaluate,
+    classification_loss,
+    restricted_classification_loss,
+)
 
 NUM_LAYERS = 6
 HIDDEN = 384
@@ -174,3 +179,6 @@ class MiniLMText:
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return classification_loss(model, batch)
+
+    def restricted_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], classes: torch.Tensor) -> torch.Tensor:
+        return restricted_classification_loss(model, batch, classes)

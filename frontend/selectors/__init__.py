@@ -43,6 +43,7 @@ from frontend.selectors.personalization import (
     device_personalization,
     personalization_headlines,
 )
+from frontend.selectors.release import Notice, ReleaseState, release_states
 from frontend.selectors.training import (
     AdapterDetail,
     LineageRow,
@@ -64,6 +65,9 @@ from frontend.selectors.training import (
 )
 
 __all__ = [
+    "Notice",
+    "ReleaseState",
+    "release_states",
     "Activity",
     "AdapterDetail",
     "CHARTED_METRICS",

@@ -201,6 +201,7 @@ class RolloutDetail:
     guards: list[dict]
     assignments: list[Assignment]
     events: list[TrainingEvent]
+    held: TrainingEvent | None = None  # the newest version automatic release held back for this rollout
 
 
 def rollout_detail(rollout_id: int, *, assignments: int = 50, events: int = 30) -> RolloutDetail | None:
@@ -228,6 +229,7 @@ def rollout_detail(rollout_id: int, *, assignments: int = 50, events: int = 30) 
             )
         )
     devices = counts_for(rollout)
+    recent = list(TrainingEvent.objects.filter(detail__rollout=rollout.pk).select_related("version")[:events])
     return RolloutDetail(
         rollout=rollout,
         phases=phases,
@@ -237,5 +239,6 @@ def rollout_detail(rollout_id: int, *, assignments: int = 50, events: int = 30) 
         cohort_devices=Device.objects.filter(cohort=rollout.cohort_id, status=DeviceStatus.ACTIVE).count(),
         guards=guard_report(rollout),
         assignments=list(rollout.assignments.select_related("device", "version").order_by("-seq")[:assignments]),
-        events=list(TrainingEvent.objects.filter(detail__rollout=rollout.pk)[:events]),
+        events=recent,
+        held=next((event for event in recent if event.kind == "version.release_held"), None),
     )

@@ -22,6 +22,7 @@ from frontend.views.devices import (  # noqa: F401
 from frontend.views.overview import overview  # noqa: F401
 from frontend.views.training import (  # noqa: F401
     adapter_detail,
+    adapter_release_settings,
     adapters,
     models,
     rollout_action,

@@ -23,5 +23,6 @@ def overview(request):
             "rejected": selectors.rejected_deltas(),
             "activity": selectors.recent_activity(),
             "personalization": selectors.personalization_headlines(),
+            "notices": [state for state in selectors.release_states() if state.notices],
         },
     )

@@ -5,6 +5,7 @@ Operators open, close and re-run rounds and create and steer rollouts, as the AP
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
@@ -16,16 +17,18 @@ from core.errors import DomainError
 from devices.models import Cohort
 from frontend import selectors
 from frontend.charts import line_chart
-from frontend.forms import RolloutForm, RoundOpenForm
+from frontend.forms import ReleaseSettingsForm, RolloutForm, RoundOpenForm
 from frontend.views.common import redirect_back, run_service
 from frontend.views.personalization import (
     adapter_personalization_context,
     personalization_form,
     personalization_save,
 )
+from training.federation.aggregation_settings import validate_aggregation
 from training.federation.rounds import round_close, round_open, round_rerun
 from training.filters import RolloutFilterSet, RoundFilterSet
-from training.models import Rollout, Round
+from training.models import Adapter, Rollout, Round
+from training.registry.services import adapter_set_aggregation
 from training.rollouts.lifecycle import (
     rollout_abort,
     rollout_create,
@@ -63,6 +66,7 @@ def adapter_detail(request, pk: int):
     if request.method == "POST" and personalization_save(request, detail.adapter, form):
         return redirect("frontend:adapter-detail", pk)
     charts = [line_chart(METRIC_TITLES.get(name, name), points, metric=name) for name, points in detail.series.items()]
+    (release,) = selectors.release_states(detail.adapter.pk)
     return render(
         request,
         "frontend/adapter_detail.html",
@@ -71,10 +75,45 @@ def adapter_detail(request, pk: int):
             "adapter": detail.adapter,
             "charts": charts,
             "can_export": has_role(request.user, Role.OPERATOR),
+            "release": release,
+            "release_form": ReleaseSettingsForm(
+                initial={"auto_release": release.auto_release, "margin_points": round(release.margin * 100, 4)}
+            )
+            if has_role(request.user, Role.OPERATOR)
+            else None,
             **adapter_personalization_context(request, detail.adapter, form),
         },
         status=400 if form.errors else 200,
     )
+
+
+@require_POST
+@role_required(Role.OPERATOR)
+def adapter_release_settings(request, pk: int):
+    """Operators turn automatic release on or off and set the release gate's margin."""
+    adapter = get_object_or_404(Adapter, pk=pk)
+    form = ReleaseSettingsForm(request.POST)
+    if not form.is_valid():
+        problems = "; ".join(f"{name}: {' '.join(errors)}" for name, errors in form.errors.items())
+        messages.error(request, f"Nothing was changed: {problems}")
+        return redirect("frontend:adapter-detail", pk)
+    aggregation = {
+        **(adapter.aggregation or {}),
+        "auto_release": form.cleaned_data["auto_release"],
+        "release_margin": round(form.cleaned_data["margin_points"] / 100, 6),
+    }
+    try:
+        validate_aggregation(aggregation)
+    except ValueError as refusal:
+        messages.error(request, f"Nothing was changed: {refusal}")
+        return redirect("frontend:adapter-detail", pk)
+    adapter_set_aggregation(adapter=adapter, actor=request.user, aggregation=aggregation)
+    messages.success(
+        request,
+        f"{adapter.name}: automatic release {'on' if aggregation['auto_release'] else 'off'}, release margin "
+        f"{form.cleaned_data['margin_points']:g} points.",
+    )
+    return redirect("frontend:adapter-detail", pk)
 
 
 # --- rounds ----------------------------------------------------------------------------------------------------
@@ -183,6 +222,8 @@ def rollout_create_view(request):
                 on_breach=data["on_breach"],
                 max_failure_rate=data["max_failure_rate"],
                 actor=request.user,
+                override_gate=data["override_gate"],
+                override_reason=data["override_reason"],
             )
         except DomainError as refusal:
             form.add_error(None, refusal.message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from devices.models import Cohort, Device, DeviceStatus
+from devices.models import Cohort, Device, DeviceStatus, gain_interval_points
 from devices.selectors import Latest, summarize
 from tests.frontend.conftest import make_devices
 from tests.personal_support import NOW
@@ -85,6 +85,19 @@ def test_an_adapter_no_device_reported_on_has_empty_figures(adapter, api_client_
 def test_summaries_count_a_gain_of_exactly_minus_half_a_point_as_not_worse():
     figures = summarize([Latest("c", "ditto", "shared", 0.8, 0.795), Latest("c", "ditto", "shared", 0.8, 0.7949)])
     assert figures["devices_not_worse"] == 1 and figures["devices_gaining"] == 0
+
+
+def test_a_gain_on_a_few_held_samples_carries_a_wide_interval_and_the_fleet_weighs_it_by_them():
+    """Three held samples, all right with the own model and none with the shared one, is a +100-point gain that
+    says little (±47 points); the fleet's weighted mean leans on the device that holds 97 samples."""
+    few = Latest("c", "ditto", "personal", 0.0, 1.0, val_samples=3)
+    many = Latest("c", "ditto", "shared", 0.8, 0.8, val_samples=97)
+    assert 45 < few.interval_points < 80 and many.interval_points < 17
+    assert gain_interval_points(0.5, 0.5, 0) is None
+    figures = summarize([few, many])
+    assert figures["mean_gain_points"] == 50.0  # the plain mean: what a 3-sample device does to it
+    assert figures["weighted_gain_points"] == 3.0 and figures["held_samples"] == 100
+    assert figures["devices_judged"] == 1 and 0 < figures["weighted_gain_interval_points"] < 20
 
 
 def test_the_adapter_figures_need_a_signed_in_caller_and_an_existing_adapter(adapter, api_client_for):

@@ -1,5 +1,7 @@
 """The demo a new user sees: the run command trains a base at the factory, seeds a setup and runs a fleet of 12
 simulated devices with the real agent code, whose users differ (their own label mix, sensor, or label names).
+A minute in, the newcomer turns automatic release off, runs a staged rollout of their own and turns it on again:
+no delta is refused as stale meanwhile, the rollout is not aborted, and versions are released after it.
 
 Checked through the API the dashboard reads, as the first minutes of a new user went wrong before: every device
 enrolls (none left dead after a failed enrollment) and trains; rounds go on completing after each device has
@@ -32,7 +34,37 @@ WATCH_SECONDS = 240  # a minute past the three minutes after which the old demo 
 MIN_ROUNDS = 16
 WATCH_LIMIT = 480
 SHARED_FLOOR = 0.70  # version 1 scores about 0.80; the fleet's versions stay above this
+# A minute in, as a newcomer following the code's advice: automatic release off and a staged rollout of their own
+# for STAGED_SECONDS, then automatic release on again; the fleet must keep learning through it.
+STAGED_AT = 60
+STAGED_SECONDS = 70
 SERVER_ERROR = re.compile(r"Internal Server Error|\" 5\d\d |ERROR django\.request|OperationalError|Traceback")
+
+
+def _set_auto_release(api: _Api, adapter_id: int, on: bool) -> None:
+    status, adapter = api.call("GET", f"/adapters/{adapter_id}/")
+    assert status == 200, adapter
+    body = {"aggregation": {**adapter["aggregation"], "auto_release": on}}
+    status, answer = api.call("PUT", f"/adapters/{adapter_id}/aggregation/", body)
+    assert status == 200 and answer["aggregation"]["auto_release"] is on, answer
+
+
+def _staged_rollout(api: _Api) -> dict:
+    """What the code advises a newcomer who wants a staged rollout: automatic release off, then a rollout of the
+    newest version that passed the release gate to one cohort in two phases, started by an operator. Automatic
+    release goes on again later (the caller)."""
+    adapter = next(a for a in _pages(api, "/adapters/?search=digits-lora") if a["name"] == "digits-lora")
+    _set_auto_release(api, adapter["id"], False)
+    versions = _pages(api, "/adapter-versions/?adapter__name=digits-lora&page_size=500")
+    good = max((v for v in versions if v["gate"].get("verdict") != "failed"), key=lambda v: v["number"])
+    body = {"version": good["id"], "cohort": "eu-phones",
+            "phases": [{"percent": 50, "min_soak_seconds": 20}, {"percent": 100}]}  # fmt: skip
+    status, rollout = api.call("POST", "/rollouts/", body)
+    assert status == 201, rollout
+    status, started = api.call("POST", f"/rollouts/{rollout['id']}/start/", {})
+    assert status == 200 and started["state"] == "running", started
+    _say(f"staged rollout {rollout['id']} of v{good['number']} started")
+    return {"adapter_id": adapter["id"], "rollout": rollout["id"], "version": good["number"]}
 
 
 def _pages(api: _Api, path: str) -> list[dict]:
@@ -81,6 +113,11 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
         _say(f"ready in {time.monotonic() - started:.0f}s")
         assert any(f"demo fleet: {DEVICES} simulated devices" in line for line in output.lines), output.tail()
         api = _Api(port, _admin_token(env))
+        time.sleep(max(0.0, STAGED_AT - (time.monotonic() - started)))
+        staged = _staged_rollout(api)  # the newcomer's staged rollout, automatic release off meanwhile
+        time.sleep(max(0.0, STAGED_AT + STAGED_SECONDS - (time.monotonic() - started)))
+        _set_auto_release(api, staged["adapter_id"], True)
+        _say(f"automatic release on again at {time.monotonic() - started:.0f}s")
         time.sleep(max(0.0, WATCH_SECONDS - (time.monotonic() - started)))
         while time.monotonic() - started < WATCH_LIMIT:
             status, body = api.call("GET", "/rounds/?state=completed&page_size=1")
@@ -128,9 +165,16 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
             if report and report["val_samples"] >= 10 and report["gain_points"] < 0:
                 assert report["serving"] == "shared", table
 
-        status, rejected = api.call("GET", "/deltas/?state=rejected")
+        status, rejected = api.call("GET", "/deltas/?state=rejected&page_size=500")
         assert status == 200 and rejected["count"] >= 1  # the misbehaving device is caught
-        assert "norm_too_large" in {d["rejection_code"] for d in rejected["results"]}
+        codes = {d["rejection_code"] for d in rejected["results"]}
+        assert "norm_too_large" in codes and "stale_base_version" not in codes, codes
+        # the operator's staged rollout ran its course: never aborted by an automatic release
+        status, rollout = api.call("GET", f"/rollouts/{staged['rollout']}/")
+        assert status == 200 and rollout["state"] in ("running", "completed"), rollout
+        released = [v for v in versions if v["state"] == "released"]
+        assert all(v["gate"].get("verdict") != "failed" for v in released), released
+        assert released[-1]["number"] > staged["version"], "nothing was released after the staged rollout"
         errors = [line for line in output.lines if SERVER_ERROR.search(line)]
         assert not errors, "\n".join(errors[:20])
     finally:

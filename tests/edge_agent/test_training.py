@@ -146,3 +146,28 @@ def test_online_ewc_is_persisted_and_holds_the_adapter_near_its_anchor(digits, p
         drift[name] = sum(float((ewc.fisher[k] * (tensors[k] - anchor[k]) ** 2).sum()) for k in anchor)
     print(f"\newc: Fisher-weighted drift from the anchor {drift['ewc']:.4g} with EWC, {drift['plain']:.4g} without")
     assert drift["ewc"] < 0.5 * drift["plain"]
+
+
+def test_restricted_classes_train_only_the_logits_of_the_classes_the_device_holds(digits, pretrained_base):
+    """The shared pass's ``restrict_classes``: a device with three classes leaves every other class's classifier
+    row as it was (their logits are masked out of its loss), and the server's evaluation of its update loses far
+    less than the same pass over the full softmax, which teaches the model never to predict the other seven."""
+    family, train, test = digits
+    mine = torch.isin(train["y"], torch.tensor([1, 4, 7]))
+    local_train, local_val = device_split(train, torch.nonzero(mine).flatten()[:90].numpy())
+    results = {}
+    for restrict in (False, True):
+        model = adapted(pretrained_base, family)
+        start = adapter_tensors(model)
+        config = TrainConfig(epochs=5, lr=1e-2, restrict_classes=restrict, judge_min_samples=0)
+        result = train_adapter(model, local_train, local_val, config=config, family=family)
+        after = adapter_tensors(model)
+        head = [k for k, v in after.items() if v.shape[:1] == (10,) and "head" in k]
+        assert head, sorted(after)
+        others = torch.tensor([c for c in range(10) if c not in (1, 4, 7)])
+        unchanged = all(torch.equal(after[k][others], start[k][others]) for k in head)
+        results[restrict] = (unchanged, family.evaluate(model.eval(), test)["accuracy"], result)
+    print(f"\nserver evaluation after one device's pass: full softmax {results[False][1]:.3f}, "
+          f"restricted {results[True][1]:.3f}")  # fmt: skip
+    assert results[True][0] and not results[False][0]
+    assert results[True][1] > results[False][1] + 0.2

@@ -61,14 +61,14 @@ def test_the_device_page_shows_its_own_model_against_the_shared_one_over_time(cl
     assert response.status_code == 200
     page = response.content.decode()
     text = _text(response)
-    assert "Serves its own model : own 94.0% against shared 83.0% ( +11.0 points )" in text
+    assert "Serves its own model : own 94.0% against shared 83.0% ( +11.0 points ± 15 ) on 40 held-out samples." in text
     assert "ditto on digits-lora v4, trained on 160 samples" in text and "4 measurements kept" in text
     # Two lines, four points each, on one chart.
     assert page.count('data-series="personal"') == 1 and page.count('data-series="shared"') == 1
     assert page.count("<title>own model, ") == 4 and page.count("<title>shared version, ") == 4
     assert "<title>own model, 2025-11-25 03:06 UTC, v1: 82.0%</title>" in page
     shared_only = client_for("viewer").get(f"/devices/{phones[1].pk}/")
-    assert "Serves the shared version : own 80.0% against shared 90.0% ( -10.0 points )" in _text(shared_only)
+    assert "Serves the shared version : own 80.0% against shared 90.0% ( -10.0 points ± 16 )" in _text(shared_only)
 
 
 def test_the_device_page_before_any_report_says_so(client_for, cohort):

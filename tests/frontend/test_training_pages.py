@@ -229,3 +229,69 @@ def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_t
     assert re.search(r'data-phase="1">.*?upcoming', html, re.S)
     assert re.search(r'class="breached">\s*<td>eval_accuracy</td>\s*<td>≥ 80.0%', html)  # numbers for people
     assert "50.0% breached" in html and "failure_rate" in html
+
+
+# --- the release gate ------------------------------------------------------------------------------------------
+
+
+def _failed_candidate(pages_world):
+    """A round's version worse than the best released one (pages_world's v3 at 0.75), judged as rounds judge."""
+    from training.federation.release_gate import gate_record
+    from training.models import AdapterVersion
+
+    worse = AdapterVersion.objects.create(
+        adapter=pages_world.adapter, number=4, parent=pages_world.versions[-1], blob_sha256="e" * 64, size=1,
+        source="round", metrics={"eval_accuracy": 0.4},
+    )  # fmt: skip
+    gate_record(worse)
+    return worse
+
+
+def test_a_version_that_failed_the_gate_shows_why_on_the_adapter_page_and_the_overview(pages_world, client_for):
+    worse = _failed_candidate(pages_world)
+    html = client_for("viewer").get(f"/adapters/{pages_world.adapter.pk}/").content.decode()
+    gate = html[html.index(f'data-testid="gate-{worse.number}"') :].split("</td>")[0]
+    assert "failed" in gate and "35.0 points below v3&#x27;s 0.750, the best released version" in gate
+    notice = html[html.index('data-testid="adapter-notice"') :].split("</div>")[0]
+    assert "v4 failed the release gate and stays a candidate" in notice and "Devices keep v3" in notice
+    assert 'data-testid="release-form"' not in html  # viewers read, operators change
+    overview = client_for("viewer").get("/").content.decode()
+    attention = overview[overview.index('data-testid="overview-notices"') :].split("</section>")[0]
+    assert f"{pages_world.adapter.name}</a>: v4 failed the release gate" in attention
+
+
+def test_the_rollout_form_shows_evaluations_defaults_to_a_version_that_passed_and_asks_for_an_override(
+    pages_world, client_for
+):
+    worse = _failed_candidate(pages_world)
+    client = client_for("operator")
+    page = client.get("/rollouts/new/").content.decode()
+    assert "v4 (candidate, eval_accuracy 0.400, failed the release gate)" in page
+    selected = re.search(r'<option value="(\d+)"[^>]*selected', page)
+    assert selected and int(selected.group(1)) == pages_world.versions[-1].pk  # v3, released, not v4
+    body = {"version": worse.pk, "cohort": pages_world.cohort.pk, "phases": "10:60, 100:0", "on_breach": "pause",
+            "max_failure_rate": "0.2"}  # fmt: skip
+    refused = client.post("/rollouts/new/", body)
+    assert refused.status_code == 400 and "failed the release gate" in refused.content.decode()
+    assert not Rollout.objects.filter(version=worse).exists()
+    made = client.post("/rollouts/new/", {**body, "override_gate": "on", "override_reason": "canary first"})
+    assert made.status_code == 302 and Rollout.objects.filter(version=worse).exists()
+    assert TrainingEvent.objects.get(kind="version.gate_overridden").detail["reason"] == "canary first"
+
+
+def test_operators_turn_automatic_release_off_and_set_the_margin_on_the_adapter_page(pages_world, client_for):
+    adapter = pages_world.adapter
+    url = f"/adapters/{adapter.pk}/release/"
+    assert client_for("viewer").post(url, {"margin_points": "2"}).status_code == 403
+    client = client_for("operator")
+    response = client.post(url, {"auto_release": "on", "margin_points": "2.5"}, follow=True)
+    adapter.refresh_from_db()
+    assert adapter.aggregation["auto_release"] is True and adapter.aggregation["release_margin"] == 0.025
+    assert "automatic release on, release margin 2.5 points" in response.content.decode()
+    client.post(url, {"margin_points": "1"})
+    adapter.refresh_from_db()
+    assert adapter.aggregation["auto_release"] is False and adapter.aggregation["release_margin"] == 0.01
+    bad = client.post(url, {"margin_points": "-3"}, follow=True).content.decode()
+    adapter.refresh_from_db()
+    assert "Nothing was changed" in bad and adapter.aggregation["release_margin"] == 0.01
+    assert TrainingEvent.objects.filter(kind="adapter.aggregation_changed").count() == 2

@@ -11,7 +11,7 @@ from edge_agent.delta import encode_delta, sign_delta
 from tests.training.delta_support import rejected, send, small_delta, upload
 from training.federation.verification import delta_verify
 from training.models import Delta
-from training.registry.services import version_create_seeded
+from training.registry.services import version_create_seeded, version_transition
 
 
 @pytest.mark.django_db
@@ -154,12 +154,16 @@ def test_a_replayed_counter_is_rejected_but_a_forgery_cannot_burn_a_counter(setu
 def test_unknown_revoked_and_too_stale_base_versions_are_rejected(setup, make_user):
     adapter, version, _, _ = setup
     rejected(send(setup, encode_delta(small_delta(adapter)), base_version=9, counter=1), "unknown_base_version")
-    for seed in range(4, 9):  # v2..v6: v1 is now 5 versions behind, past the default bound of 4
-        version_create_seeded(adapter=adapter, seed=seed)
+    later = [version_create_seeded(adapter=adapter, seed=seed) for seed in range(4, 9)]  # v2..v6, candidates
+    # candidates never reached a device: a delta on v1 is not stale for them (staleness counts released versions)
+    accepted = send(setup, encode_delta(small_delta(adapter, seed=2)), base_version=1, counter=2)
+    assert accepted.state == "accepted" and accepted.staleness == 0
+    for released in later:  # v1 is now 5 released versions behind, past the default bound of 4
+        version_transition(version=released, action="release", actor=None)
     stale = rejected(
-        send(setup, encode_delta(small_delta(adapter, seed=1)), base_version=1, counter=2), "stale_base_version"
+        send(setup, encode_delta(small_delta(adapter, seed=1)), base_version=1, counter=3), "stale_base_version"
     )
-    assert "5 versions behind" in stale.rejection_detail
+    assert "5 released versions behind v6" in stale.rejection_detail
 
 
 @pytest.mark.django_db

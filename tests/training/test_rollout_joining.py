@@ -43,10 +43,11 @@ def versions(adapter, cohort):
 
 @pytest.fixture
 def started(versions, cohort, make_user):
-    """``started(phases, version=1)``: a running rollout, started by an operator."""
+    """``started(phases, version=1)``: a running rollout, started by an operator (``automatic=True``: by the
+    system, as auto-release starts its own)."""
 
-    def make(phases, version: int = 1) -> Rollout:
-        operator = make_user("operator")
+    def make(phases, version: int = 1, automatic: bool = False) -> Rollout:
+        operator = None if automatic else make_user("operator")
         rollout = rollout_create(version=versions[version - 1], cohort=cohort, phases=phases, actor=operator)
         return rollout_start(rollout=rollout, actor=operator)
 
@@ -238,7 +239,7 @@ def test_the_api_and_pages_show_the_counts_live_then_as_recorded_when_it_complet
 @pytest.mark.django_db
 def test_auto_release_completes_an_older_rollout_that_only_waits_its_devices_superseded(started, enrolled, versions):
     installed, waiting = enrolled("active", name="alpha"), enrolled("active", name="bravo")
-    older = started([{"percent": 100}])
+    older = started([{"percent": 100}], automatic=True)
     _install(older.assignments.get(device=installed.device))
     assert _tick(older)[0] == "waiting"
     (newer,) = round_result_release(version=versions[1])
@@ -256,7 +257,7 @@ def test_auto_release_completes_an_older_rollout_that_only_waits_its_devices_sup
 @pytest.mark.django_db
 def test_auto_release_aborts_an_older_rollout_still_in_its_phases(started, enrolled, versions):
     device = enrolled("active", name="alpha")
-    older = started([{"percent": 100, "min_soak_seconds": 3600}])
+    older = started([{"percent": 100, "min_soak_seconds": 3600}], automatic=True)
     assert _tick(older)[0] == "soaking"
     (newer,) = round_result_release(version=versions[1])
     older.refresh_from_db()

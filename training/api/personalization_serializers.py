@@ -52,6 +52,16 @@ class ServingSerializer(serializers.Serializer):
 
 class PersonalSummarySerializer(serializers.Serializer):
     devices = serializers.IntegerField(help_text="devices whose latest report is for this adapter")
+    held_samples = serializers.IntegerField(help_text="held samples the devices' latest reports were measured on")
+    devices_judged = serializers.IntegerField(
+        help_text="devices whose report rests on at least 10 held samples; the others' gains are rough"
+    )
+    weighted_gain_points = serializers.FloatField(
+        allow_null=True, help_text="the devices' gains weighted by their held samples, in points"
+    )
+    weighted_gain_interval_points = serializers.FloatField(
+        allow_null=True, help_text="half-width of a 95% interval on weighted_gain_points"
+    )
     mean_shared_accuracy = serializers.FloatField(allow_null=True)
     mean_personal_accuracy = serializers.FloatField(allow_null=True)
     mean_gain_points = serializers.FloatField(allow_null=True, help_text="personal minus shared, in points")

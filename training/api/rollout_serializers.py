@@ -80,6 +80,15 @@ class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
     progress = serializers.SerializerMethodField()
     devices = serializers.SerializerMethodField()
     devices_summary = serializers.SerializerMethodField()
+    override_gate = serializers.BooleanField(
+        required=False,
+        default=False,
+        write_only=True,
+        help_text="Roll out a candidate that failed the release gate anyway (with override_reason); recorded.",
+    )
+    override_reason = serializers.CharField(
+        required=False, default="", allow_blank=True, max_length=300, write_only=True
+    )
 
     class Meta:
         model = Rollout
@@ -103,6 +112,8 @@ class RolloutSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "progress",
             "devices",
             "devices_summary",
+            "override_gate",
+            "override_reason",
         ]
         read_only_fields = [
             "id",

@@ -80,6 +80,8 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
             on_breach=fields.get("on_breach", "pause"),
             max_failure_rate=fields.get("max_failure_rate", 0.2),
             actor=request.user,
+            override_gate=fields.get("override_gate", False),
+            override_reason=fields.get("override_reason", ""),
         )
         return Response(RolloutSerializer(rollout).data, status=status.HTTP_201_CREATED)
 

@@ -2,7 +2,13 @@ from rest_framework import serializers
 
 from core.api.serializers import JsonObjectField, StrictTypesMixin
 from training.api.serializers import settings_checked
-from training.federation.aggregation_settings import AGGREGATION_HELP, validate_aggregation, validate_dp
+from training.federation.aggregation_settings import (
+    AGGREGATION_DEFAULTS,
+    AGGREGATION_HELP,
+    DP_DEFAULTS,
+    validate_aggregation,
+    validate_dp,
+)
 from training.models import Adapter, Delta, Round
 
 
@@ -109,6 +115,25 @@ class AggregationConfigSerializer(StrictTypesMixin, serializers.Serializer):
 
     def validate_dp(self, value):
         return settings_checked(value, validate_dp)
+
+    def validate(self, attrs):
+        """Keys other than ``aggregation`` and ``dp`` are refused by name (a setting sent without its wrapper
+        would otherwise be a 200 that changes nothing), as is a body with neither."""
+        body = self.initial_data if isinstance(self.initial_data, dict) else {}
+        unknown = sorted(set(body) - set(self.fields))
+        if unknown:
+            placed = [key for key in unknown if key in AGGREGATION_DEFAULTS or key in DP_DEFAULTS]
+            hint = (
+                f"; {', '.join(placed)} belong{'s' if len(placed) == 1 else ''} inside "
+                '"aggregation" (or "dp"), for example {"aggregation": {"' + placed[0] + '": ...}}'
+                if placed
+                else ""
+            )
+            message = f"unknown key: send aggregation and/or dp{hint}"
+            raise serializers.ValidationError({key: [message] for key in unknown})
+        if not attrs:
+            raise serializers.ValidationError({"aggregation": ["send aggregation and/or dp: nothing to change"]})
+        return attrs
 
 
 class DeviceDeltaStateSerializer(serializers.Serializer):

@@ -142,6 +142,7 @@ class AdapterVersionSerializer(serializers.ModelSerializer):
             "note",
             "metrics",
             "state",
+            "gate",
             "created_at",
         ]
         read_only_fields = fields
@@ -171,3 +172,9 @@ class ImportVersionSerializer(serializers.Serializer):  # multipart only: every 
 
 class VersionActionSerializer(StrictTypesMixin, serializers.Serializer):
     reason = serializers.CharField(max_length=500, required=False, default="", allow_blank=True)
+    override = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="release: release a version that failed the release gate anyway (a reason is required); "
+        "recorded as version.gate_overridden",
+    )

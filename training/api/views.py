@@ -21,6 +21,7 @@ from training.api.serializers import (
     SeedVersionSerializer,
     VersionActionSerializer,
 )
+from training.federation.release_gate import version_release
 from training.models import Adapter, AdapterVersion, BaseModel
 from training.registry.services import (
     MAX_ARTIFACT_BYTES,
@@ -156,9 +157,15 @@ class AdapterVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, vi
     def _transition(self, request, action_name):
         data = VersionActionSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        version = version_transition(
-            version=self.get_object(), action=action_name, actor=request.user, reason=data.validated_data["reason"]
-        )
+        fields = data.validated_data
+        if action_name == "release":  # through the release gate (training.federation.release_gate)
+            version = version_release(
+                version=self.get_object(), actor=request.user, reason=fields["reason"], override=fields["override"]
+            )
+        else:
+            version = version_transition(
+                version=self.get_object(), action=action_name, actor=request.user, reason=fields["reason"]
+            )
         return Response(AdapterVersionSerializer(version).data)
 
     @extend_schema(request=VersionActionSerializer, responses={200: AdapterVersionSerializer, 409: ErrorBodySerializer})

@@ -28,6 +28,7 @@ from safetensors.torch import save as save_safetensors
 
 from training import dispatch
 from training.federation.aggregation_settings import aggregation_settings, dp_settings
+from training.federation.release_gate import FAILED, gate_record
 from training.federation.strategies import DeltaInput, get_strategy, shards
 from training.models import Adapter, AdapterVersion, Delta, Round
 from training.registry.blobs import blob_local_path, blob_put_bytes, blob_put_tensors, blob_read
@@ -81,15 +82,27 @@ def _params(round_: Round) -> dict:
     return params
 
 
+def staleness_in_round(round_: Round, deltas: list[Delta]) -> list[int]:
+    """Each delta's staleness against the round's base: the released versions after the delta's base up to the
+    round's (``training.federation.verification`` counts the same way). Candidates between them never reached a
+    device, so they make no delta older; a delta on a version newer than the round's base is not stale."""
+    released = list(
+        AdapterVersion.objects.filter(
+            adapter_id=round_.adapter_id, state=AdapterVersion.State.RELEASED, number__lte=round_.base_version.number
+        ).values_list("number", flat=True)
+    )
+    return [sum(1 for number in released if number > delta.base_version.number) for delta in deltas]
+
+
 def _inputs(stack: ExitStack, round_: Round, deltas: list[Delta]) -> list[DeltaInput]:
     return [
         DeltaInput(
             path=stack.enter_context(blob_local_path(delta.blob_sha256)),
             num_samples=delta.num_samples,
-            staleness=max(0, round_.base_version.number - delta.base_version.number),
+            staleness=staleness,
             norm=delta.norm,
         )
-        for delta in deltas
+        for delta, staleness in zip(deltas, staleness_in_round(round_, deltas), strict=True)
     ]
 
 
@@ -304,6 +317,9 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
     from training.federation.events import round_event
     from training.registry.evaluation import evaluate_tensors
 
+    lr = float(round_.params.get("server_lr", 1.0))  # the server learning rate (aggregation_settings)
+    if lr != 1.0:
+        delta = {name: tensor.float() * lr for name, tensor in delta.items()}
     new = {name: (base[name] + delta[name].float()).contiguous() for name in sorted(base)}
     bad = [name for name, tensor in new.items() if not bool(torch.isfinite(tensor).all())]
     if bad:
@@ -358,11 +374,21 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
             failure="",
         )
         _record("round.completed", actor=None, adapter=round_.adapter, version=version, round=round_.pk, **stats)
+        verdict = gate_record(version)
+        if verdict["verdict"] == FAILED:
+            reason = verdict["reason"]
+            _record("version.gate_failed", actor=None, adapter=round_.adapter, version=version, reason=reason)
         round_.refresh_from_db()
         transaction.on_commit(
-            lambda: round_event(round_, kind="round.completed", deltas=len(deltas), result_version=version.number)
+            lambda: round_event(
+                round_,
+                kind="round.completed",
+                deltas=len(deltas),
+                result_version=version.number,
+                gate=verdict["verdict"],
+            )
         )
-        if aggregation_settings(round_.adapter)["auto_release"]:
+        if aggregation_settings(round_.adapter)["auto_release"] and verdict["verdict"] != FAILED:
             transaction.on_commit(lambda: dispatch.release_round_result(version.pk))
     logger.info("round %s made %s from %d deltas in %.2fs", round_.pk, version, len(deltas), seconds)
     return version

@@ -20,11 +20,17 @@ AGGREGATION_DEFAULTS: dict[str, Any] = {
     "byzantine": None,
     "multi_k": None,
     "mixing": None,  # null: the strategy's own (MIXING_DEFAULTS); "nnm": nearest-neighbour mixing first; "none": off
+    # The share of the aggregated update applied to the base (the server learning rate); null: the strategy's own
+    # (SERVER_LR_DEFAULTS).
+    "server_lr": None,
     "shard_size": 64,  # rounds of more deltas are split across the aggregation workers (shardable strategies)
     "coordinate_shards": 4,  # robust rules over more than shard_size deltas: coordinate spans, one Celery task each
     "auto_rounds": True,  # open a round when a delta is accepted and none is collecting
     "ffa": False,  # FFA-LoRA: deltas carry only lora_B (and saved modules)
     "auto_release": False,  # release each round's version and roll it out to the adapter's cohorts at once
+    # The release gate (training.federation.release_gate): a version whose evaluation is worse than the best
+    # released version's by more than this (0.01: one point of accuracy) stays a candidate.
+    "release_margin": 0.01,
 }
 
 DP_DEFAULTS: dict[str, Any] = {
@@ -37,19 +43,36 @@ DP_DEFAULTS: dict[str, Any] = {
 }
 
 ROBUST = ("trimmed_mean", "median", "krum", "multi_krum")  # the strategies mixing applies to
-STRATEGY_PARAMS = ("clip_norm", "trim_ratio", "byzantine", "multi_k", "mixing", "shard_size", "coordinate_shards")
+STRATEGY_PARAMS = (
+    "clip_norm",
+    "trim_ratio",
+    "byzantine",
+    "multi_k",
+    "mixing",
+    "shard_size",
+    "coordinate_shards",
+    "server_lr",
+)
 # Nearest-neighbour mixing unless an operator says "none": Krum keeps one delta per round, and bare, on devices
 # whose data differ, it learns far less than the mean; mixed, it keeps up (bench/README.md, "poisoning.py").
 # The others are better bare, or only as good, so theirs is off.
 MIXING_DEFAULTS = {"krum": "nnm"}
 MIXING_VALUES = (None, "nnm", "none")
+# FedBuff's rounds are a few deltas each, often from devices whose users differ: applied whole, three updates from
+# devices that hold two or three classes each moved the shared version far from what the rest of the fleet needs,
+# and it got worse round after round. Half of each buffer's update, as FedBuff (Nguyen et al. 2022) applies its
+# buffer with a server learning rate, keeps what they agree on (bench/README.md, "fleet_learning.py").
+SERVER_LR_DEFAULTS = {"fedbuff": 0.5}
 
 
 AGGREGATION_HELP = (
     'Only the settings that differ from the defaults (README, "Deltas, verification and rounds"): '
     + ", ".join(AGGREGATION_DEFAULTS)
     + '. mixing is null (the strategy\'s default: "nnm" for krum, off for the rest), "none" (off) or "nnm" '
-    + f"(nearest-neighbour mixing, for {', '.join(ROBUST)} only)."
+    + f"(nearest-neighbour mixing, for {', '.join(ROBUST)} only). server_lr is null (the strategy's default: "
+    + "0.5 for fedbuff, 1 for the rest) or the share of each round's update applied. release_margin: how much "
+    + "worse (0.01: one point of accuracy) than the best released version a round's version may evaluate and "
+    + "still be released."
 )
 
 
@@ -59,10 +82,17 @@ def effective_mixing(values: dict[str, Any]) -> str | None:
     return None if mixing == "none" else mixing
 
 
+def effective_server_lr(values: dict[str, Any]) -> float:
+    """The server learning rate a round of these settings applies its update with."""
+    lr = values["server_lr"]
+    return float(lr) if lr is not None else SERVER_LR_DEFAULTS.get(values["strategy"], 1.0)
+
+
 def aggregation_settings(adapter) -> dict[str, Any]:
-    """Every setting, with the defaults for those not set; ``mixing`` as rounds run it (``effective_mixing``)."""
+    """Every setting, with the defaults for those not set; ``mixing`` and ``server_lr`` as rounds run them
+    (``effective_mixing``, ``effective_server_lr``)."""
     merged = {**AGGREGATION_DEFAULTS, **(adapter.aggregation or {})}
-    return {**merged, "mixing": effective_mixing(merged)}
+    return {**merged, "mixing": effective_mixing(merged), "server_lr": effective_server_lr(merged)}
 
 
 def dp_settings(adapter) -> dict[str, Any]:
@@ -97,12 +127,18 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     for name in ("auto_rounds", "ffa", "auto_release"):
         if not isinstance(merged[name], bool):
             raise ValueError(f"{name} must be true or false")
+    lr = merged["server_lr"]
+    if lr is not None and (not isinstance(lr, int | float) or isinstance(lr, bool) or not 0 < lr <= 10):
+        raise ValueError("server_lr must be a number above 0 and at most 10, or null (the strategy's default)")
+    margin = merged["release_margin"]
+    if not isinstance(margin, int | float) or isinstance(margin, bool) or not 0 <= margin <= 1:
+        raise ValueError("release_margin must be a number from 0 to 1 (0.01 is one point of accuracy)")
     if merged["mixing"] not in MIXING_VALUES:
         raise ValueError('mixing must be null (the strategy\'s default), "none" or "nnm"')
     if merged["mixing"] == "nnm" and merged["strategy"] not in ROBUST:
         raise ValueError(f"mixing applies to the robust strategies ({', '.join(ROBUST)}), not {merged['strategy']}")
     # the strategy's own check of its params (trim_ratio, byzantine, multi_k, ...), as a round would run it
-    running = {**merged, "mixing": effective_mixing(merged)}
+    running = {**merged, "mixing": effective_mixing(merged), "server_lr": effective_server_lr(merged)}
     get_strategy(merged["strategy"]).check_params({name: running[name] for name in STRATEGY_PARAMS})
     return values
 

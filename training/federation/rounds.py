@@ -23,8 +23,13 @@ from training.models import Adapter, AdapterVersion, Delta, Round
 from training.registry.services import _record
 
 
-def newest_version(adapter: Adapter) -> AdapterVersion | None:
-    return adapter.versions.exclude(state=AdapterVersion.State.REVOKED).order_by("-number").first()
+def round_base(adapter: Adapter) -> AdapterVersion | None:
+    """What a round builds on: the newest released version, which is what devices run and train on; the newest
+    live candidate only while nothing is released. Never a chain of candidates: a round's version that the
+    release gate held back is not the next round's base, so its flaws do not compound and deltas from devices
+    stay fresh against it (``training.federation.verification`` counts staleness in released versions)."""
+    live = adapter.versions.exclude(state=AdapterVersion.State.REVOKED).order_by("-number")
+    return live.filter(state=AdapterVersion.State.RELEASED).first() or live.first()
 
 
 def dp_sample_rate(adapter: Adapter, buffer_size: int) -> float:
@@ -68,6 +73,8 @@ def _check_dp_budget(adapter: Adapter, buffer_size: int) -> None:
 def _params(adapter: Adapter) -> dict:
     settings_ = aggregation_settings(adapter)
     params = {name: settings_[name] for name in STRATEGY_PARAMS if settings_[name] is not None}
+    if params.get("server_lr") == 1.0:
+        del params["server_lr"]  # the whole update: what a round without it applies
     # The workers its deltas are split across if it grows past shard_size, fixed now: a chord and one worker
     # aggregating the round again cut the same shards, whichever process's settings they run with.
     params["workers"] = settings.AGGREGATION_WORKERS
@@ -85,7 +92,8 @@ def round_open(
     min_deltas: int | None = None,
     timeout_seconds: int | None = None,
 ) -> Round:
-    """Open the adapter's collecting round on its newest version, adopting accepted deltas that wait for one.
+    """Open the adapter's collecting round on its newest released version (``round_base``), adopting accepted
+    deltas that wait for one.
 
     Refused when a round is already collecting, the adapter has no version, or server-side DP would pass
     the adapter's epsilon budget (that refusal is recorded as an event, so it is visible)."""
@@ -109,7 +117,7 @@ def _round_create(*, adapter, actor, buffer_size, min_deltas, timeout_seconds) -
     settings_ = aggregation_settings(adapter)
     if adapter.rounds.filter(state=Round.State.COLLECTING).exists():
         raise RoundAlreadyOpen("round_already_open", f"{adapter.name} already has a collecting round")
-    base = newest_version(adapter)
+    base = round_base(adapter)
     if base is None:
         raise Conflict("no_version", f"{adapter.name} has no version to build on; seed or import one")
     buffer_size = buffer_size or settings_["buffer_size"]

@@ -17,7 +17,8 @@ from functools import lru_cache
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Exists, OuterRef, Subquery
+from django.db.models import Count, Exists, OuterRef, Subquery
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from core.queries import only_row
@@ -82,29 +83,33 @@ def _check_device(delta: Delta, memo: dict | None = None) -> Adapter:
 
 
 def _check_base(delta: Delta, adapter: Adapter, memo: dict | None = None) -> AdapterVersion:
-    """The base version exists, is not revoked and is at most ``max_staleness`` versions behind the newest."""
-    newest = (
-        AdapterVersion.objects.filter(adapter=adapter)
-        .exclude(state=AdapterVersion.State.REVOKED)
-        .order_by("-number")
-        .values("number")[:1]
+    """The base version exists, is not revoked and is at most ``max_staleness`` released versions behind the
+    newest released one. Staleness counts released versions only: candidates the release gate held back never
+    reached devices, so however many of them a run of rounds makes, a delta on what devices run stays fresh."""
+    newer = AdapterVersion.objects.filter(
+        adapter=adapter, state=AdapterVersion.State.RELEASED, number__gt=OuterRef("number")
     )
+    count = newer.order_by().values("adapter").annotate(n=Count("pk")).values("n")
     base = _memoized(
         memo,
         ("base", adapter.pk, delta.base_version_number),
         lambda: only_row(
-            adapter.versions.filter(number=delta.base_version_number).annotate(newest_number=Subquery(newest))
+            adapter.versions.filter(number=delta.base_version_number).annotate(
+                newer_released=Coalesce(Subquery(count), 0),
+                newest_released=Subquery(newer.order_by("-number").values("number")[:1]),
+            )
         ),
     )
     if base is None or base.state == AdapterVersion.State.REVOKED:
         what = "does not exist" if base is None else "was revoked"
         raise Rejection("unknown_base_version", f"{adapter.name} v{delta.base_version_number} {what}")
-    staleness = base.newest_number - base.number
+    staleness = base.newer_released
     limit = aggregation_settings(adapter)["max_staleness"]
     if staleness > limit:
         raise Rejection(
             "stale_base_version",
-            f"based on v{base.number}, {staleness} versions behind v{base.newest_number} (the limit is {limit})",
+            f"based on v{base.number}, {staleness} released versions behind v{base.newest_released} (the limit is "
+            f"{limit}): the device has not installed a newer version; it gets one at its next assignment",
         )
     delta.base_version, delta.staleness = base, staleness
     return base

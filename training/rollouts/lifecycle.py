@@ -96,7 +96,14 @@ def rollout_create(
     on_breach: str = "pause",
     max_failure_rate: float = 0.2,
     actor,
+    override_gate: bool = False,
+    override_reason: str = "",
 ) -> Rollout:
+    """A draft rollout of ``version`` to ``cohort``. A candidate goes through the release gate first
+    (``training.federation.release_gate``): one judged worse than the best released version is refused
+    (``release_gate_failed``) unless ``override_gate`` with ``override_reason``, which is recorded."""
+    from training.federation.release_gate import gate_check
+
     if version.state == AdapterVersion.State.REVOKED:
         raise Conflict("version_revoked", f"{version} is revoked and cannot be rolled out")
     if not version.adapter.cohorts.filter(pk=cohort.pk).exists():
@@ -105,6 +112,8 @@ def rollout_create(
         raise Invalid("invalid_on_breach", "on_breach must be pause or rollback")
     if not 0 <= max_failure_rate <= 1:
         raise Invalid("invalid_failure_rate", "max_failure_rate must be between 0 and 1")
+    if version.state == AdapterVersion.State.CANDIDATE:
+        gate_check(version, override=override_gate, actor=actor, reason=override_reason, doing="roll out")
     rollout = Rollout.objects.create(
         version=version,
         cohort=cohort,
@@ -142,6 +151,11 @@ def rollout_start(*, rollout: Rollout, actor) -> Rollout:
         version__adapter=rollout.version.adapter,
         state__in=[Rollout.State.RUNNING, Rollout.State.PAUSED],
     ).exclude(pk=rollout.pk)
+    if actor is not None:
+        # An operator's rollout takes over from automatic ones (auto-release's, which only chase the newest
+        # version): they end here, superseded, as a newer automatic release would end them.
+        for automatic in busy.filter(created_by__isnull=True).order_by("pk"):
+            _supersede(_lock(automatic), f"superseded by rollout {rollout.pk} of {actor.username}")
     earlier = busy.first()
     if earlier is not None:
         waiting = f" ({earlier.state_reason})" if earlier.state_reason else ""
@@ -150,6 +164,14 @@ def rollout_start(*, rollout: Rollout, actor) -> Rollout:
             f"rollout {earlier.pk} of this adapter is still {earlier.state} in {rollout.cohort.name}{waiting}; "
             "wait for it or abort it",
         )
+    if rollout.version.state == AdapterVersion.State.REVOKED:
+        raise Conflict("version_revoked", f"{rollout.version} was revoked after this rollout was drafted")
+    if rollout.version.state == AdapterVersion.State.CANDIDATE:
+        # Devices start getting it now: it is released (rounds build on it, staleness counts it). The gate
+        # judged it when the rollout was drafted (``rollout_create``).
+        from training.registry.services import version_transition
+
+        version_transition(version=rollout.version, action="release", actor=actor, reason=f"rollout {rollout.pk}")
     now = timezone.now()
     _set_state(rollout, Rollout.State.RUNNING, started_at=now, phase_started_at=now, current_phase=0)
     count = _assign_phase(rollout)
@@ -359,6 +381,16 @@ def rollout_tick(*, rollout: Rollout) -> str:
         return _complete_when_settled(rollout)
 
 
+def _supersede(earlier: Rollout, reason: str) -> None:
+    """End a locked automatic rollout that a newer one replaces: completed if it only waits for devices (which
+    get the newer assignment instead and count as gone, superseded), else aborted."""
+    if earlier.state == Rollout.State.RUNNING and _phases_done(earlier):
+        _supersede_pending(earlier, reason)
+        _complete_when_settled(earlier)
+    else:
+        rollout_abort(rollout=earlier, actor=None, reason=reason)
+
+
 def _phases_done(rollout: Rollout) -> bool:
     soak = timedelta(seconds=rollout.phases[rollout.current_phase]["min_soak_seconds"])
     return rollout.current_phase + 1 == len(rollout.phases) and timezone.now() >= rollout.phase_started_at + soak
@@ -436,33 +468,42 @@ def assignment_report(*, device: Device, assignment_id, status: str, reason: str
 @transaction.atomic
 def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
     """Continuous personalization (the adapter's ``auto_release``): release a round's new version and roll it
-    out to every cohort the adapter serves in one phase, superseding an earlier automatic rollout still in
-    flight: one whose phases are done and only waits for devices completes (those devices get the newer version
-    instead and count as gone, superseded); one still in its phases, or paused, is aborted. Operators who want
-    staged, guarded rollouts leave ``auto_release`` off and roll out themselves."""
+    out to every cohort the adapter serves in one phase, if it passes the release gate
+    (``training.federation.release_gate``; one that fails stays a candidate, and nothing is rolled out).
+
+    It supersedes an earlier automatic rollout still in flight: one whose phases are done and only waits for
+    devices completes (those devices get the newer version instead and count as gone, superseded); one still in
+    its phases, or paused, is aborted. An operator's own rollout (staged, guarded) is never touched: in its cohort
+    the new version waits, recorded as ``version.release_held`` and shown on that rollout's page, and the next
+    round's version is rolled out there once the operator's rollout has ended."""
+    from training.federation.release_gate import FAILED, gate_record
+    from training.registry.services import _record as record_training
     from training.registry.services import version_transition
 
-    version = AdapterVersion.objects.select_for_update(no_key=True).get(pk=version.pk)
+    version = AdapterVersion.objects.select_for_update(no_key=True).select_related("adapter").get(pk=version.pk)
     if version.state == AdapterVersion.State.REVOKED:
         return []
     if version.state == AdapterVersion.State.CANDIDATE:
+        verdict = gate_record(version)
+        if verdict["verdict"] == FAILED:
+            record_training("version.gate_failed", actor=None, adapter=version.adapter, version=version,
+                            reason=verdict["reason"])  # fmt: skip
+            return []
         version = version_transition(version=version, action="release", actor=None, reason="auto_release")
     started = []
     for cohort in version.adapter.cohorts.all():
         busy = Rollout.objects.filter(
             cohort=cohort, version__adapter=version.adapter, state__in=[Rollout.State.RUNNING, Rollout.State.PAUSED]
         )
+        operators = busy.filter(created_by__isnull=False).first()
+        if operators is not None:
+            record_training("version.release_held", actor=None, adapter=version.adapter, version=version,
+                            rollout=operators.pk, cohort=cohort.name)  # fmt: skip
+            continue
         for earlier in busy:
             if earlier.version.number >= version.number:
                 break
-            reason = f"superseded by v{version.number}"
-            earlier = _lock(earlier)
-            if earlier.state == Rollout.State.RUNNING and _phases_done(earlier):
-                # Only waiting for devices, which now get the newer version: theirs are gone (superseded).
-                _supersede_pending(earlier, reason)
-                _complete_when_settled(earlier)
-            else:
-                rollout_abort(rollout=earlier, actor=None, reason=reason)
+            _supersede(_lock(earlier), f"superseded by v{version.number}")
         else:
             rollout = rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}], actor=None)
             started.append(rollout_start(rollout=rollout, actor=None))

@@ -288,6 +288,9 @@ PARAMS: dict[str, tuple] = {
     "byzantine": (None, lambda v: v is None or _whole(0)(v), "a whole number >= 0 or null"),
     "multi_k": (None, lambda v: v is None or _whole(1)(v), "a whole number >= 1 or null"),
     "mixing": (None, lambda v: v is None or v == "nnm", 'null or "nnm" (nearest-neighbour mixing)'),
+    # The share of the aggregated update the server applies (``training.federation.aggregation._finish``); the
+    # strategies compute the whole update whatever it is.
+    "server_lr": (1.0, lambda v: _is_real(v) and 0 < v <= 10, "a number above 0 and at most 10"),
 }
 
 
