@@ -9,10 +9,21 @@ import pytest
 from tests.training.test_rounds import make_delta_tensors, receive
 from training import dispatch
 from training.federation.aggregation import round_aggregate
+from training.federation.rounds import round_base
 from training.federation.verification import delta_verify
 from training.models import AdapterVersion, Assignment, Rollout, Round, TrainingEvent
 from training.registry.services import adapter_set_aggregation, version_create_seeded, version_transition
-from training.rollouts.lifecycle import rollout_create, rollout_start, round_result_release
+from training.rollouts.lifecycle import (
+    CANARY_PERCENT,
+    CANARY_REPORTS,
+    CANARY_SOAK_SECONDS,
+    assignment_report,
+    rollout_abort,
+    rollout_create,
+    rollout_start,
+    rollout_tick,
+    round_result_release,
+)
 
 AGGREGATION = {"strategy": "fedbuff", "buffer_size": 2, "min_deltas": 1, "auto_release": True}
 
@@ -182,3 +193,36 @@ def test_the_aggregation_settings_refuse_unknown_and_misplaced_keys(adapter, api
     assert words in str(response.json()["error"]["details"][field])
     adapter.refresh_from_db()
     assert adapter.aggregation == {"strategy": "fedavg"}  # as it was created
+
+
+@pytest.mark.django_db
+def test_a_version_the_server_cannot_evaluate_goes_to_a_canary_share_guarded_by_devices_reports(fleet, cohort):
+    """No evaluation set: the gate leaves it unjudged, and its automatic rollout is a canary phase guarded by the
+    devices' held-out reports; when they say it is worse, it is rolled back and no later round builds on it."""
+    adapter, v1, devices, _ = fleet
+    version = _round_of_two(adapter, devices, counter=1)
+    AdapterVersion.objects.filter(pk=version.pk).update(metrics={}, gate={})
+    (canary,) = round_result_release(version=AdapterVersion.objects.get(pk=version.pk))
+    version.refresh_from_db()
+    assert version.gate["verdict"] == "unjudged" and version.state == "released"
+    assert canary.phases == [{"percent": CANARY_PERCENT, "min_soak_seconds": CANARY_SOAK_SECONDS},
+                             {"percent": 100.0, "min_soak_seconds": 0}]  # fmt: skip
+    guards = [{"metric": "val_accuracy_change", "min": -0.01, "min_reports": CANARY_REPORTS}]
+    assert canary.guards == guards and canary.on_breach == "rollback" and canary.created_by is None
+    assert round_base(adapter) == version  # released: rounds build on it
+    # the guard at work, on a rollout of every device (the canary share of two devices is too few to report)
+    rollout_abort(rollout=canary, actor=None)
+    everyone = rollout_start(
+        rollout=rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}],
+                               guards=[{**guards[0], "min_reports": 2}], on_breach="rollback", actor=None),
+        actor=None,
+    )  # fmt: skip
+    for assignment in Assignment.objects.filter(rollout=everyone):
+        assignment_report(device=assignment.device, assignment_id=assignment.pk, status="installed",
+                          metrics={"val_accuracy_change": -0.08})  # fmt: skip
+    assert rollout_tick(rollout=everyone) == "breached"
+    everyone.refresh_from_db()
+    version.refresh_from_db()
+    assert everyone.state == "rolled_back"
+    assert version.gate["verdict"] == "failed" and "devices' held-out reports" in version.gate["reason"]
+    assert round_base(adapter) == v1

@@ -29,7 +29,9 @@ def round_base(adapter: Adapter) -> AdapterVersion | None:
     release gate held back is not the next round's base, so its flaws do not compound and deltas from devices
     stay fresh against it (``training.federation.verification`` counts staleness in released versions)."""
     live = adapter.versions.exclude(state=AdapterVersion.State.REVOKED).order_by("-number")
-    return live.filter(state=AdapterVersion.State.RELEASED).first() or live.first()
+    released = live.filter(state=AdapterVersion.State.RELEASED)
+    # a released version whose devices then judged it worse (an automatic rollout's guard) is not built on
+    return released.exclude(gate__verdict="failed").first() or released.first() or live.first()
 
 
 def dp_sample_rate(adapter: Adapter, buffer_size: int) -> float:

@@ -365,6 +365,8 @@ def rollout_tick(*, rollout: Rollout) -> str:
             )
             if rollout.on_breach == Rollout.OnBreach.ROLLBACK:
                 rollout_rollback(rollout=rollout, actor=None, reason=reason)
+                if rollout.created_by_id is None:  # an automatic release: the devices judged it worse
+                    _canary_failed(rollout.version, reason)
             else:
                 rollout_pause(rollout=rollout, actor=None, reason=reason)
             return "breached"
@@ -389,6 +391,18 @@ def _supersede(earlier: Rollout, reason: str) -> None:
         _complete_when_settled(earlier)
     else:
         rollout_abort(rollout=earlier, actor=None, reason=reason)
+
+
+def _canary_failed(version: AdapterVersion, reason: str) -> None:
+    """Devices' held-slice reports breached an automatic rollout's guard: the version's gate verdict becomes failed
+    with that reason, so rounds no longer build on it (``training.federation.rounds.round_base``) and the operator
+    sees why."""
+    from training.registry.services import _record as record_training
+
+    verdict = {**(version.gate or {}), "verdict": "failed", "reason": f"devices' held-out reports: {reason}"}
+    AdapterVersion.objects.filter(pk=version.pk).update(gate=verdict)
+    record_training("version.gate_failed", actor=None, adapter=version.adapter, version=version,
+                    reason=verdict["reason"])  # fmt: skip
 
 
 def _phases_done(rollout: Rollout) -> bool:
@@ -505,6 +519,30 @@ def round_result_release(*, version: AdapterVersion) -> list[Rollout]:
                 break
             _supersede(_lock(earlier), f"superseded by v{version.number}")
         else:
-            rollout = rollout_create(version=version, cohort=cohort, phases=[{"percent": 100}], actor=None)
+            phases, guards = automatic_plan(version)
+            rollout = rollout_create(
+                version=version, cohort=cohort, phases=phases, guards=guards, on_breach="rollback", actor=None
+            )
             started.append(rollout_start(rollout=rollout, actor=None))
     return started
+
+
+CANARY_PERCENT = 20  # an automatic rollout of a version the server could not evaluate goes to this share first
+CANARY_SOAK_SECONDS = 300
+CANARY_REPORTS = 3  # installs whose held-slice reports the canary guard waits for
+
+
+def automatic_plan(version: AdapterVersion) -> tuple[list[dict], list[dict]]:
+    """An automatic rollout's phases and guards. A version the release gate judged on the server's evaluation set
+    goes to every device at once. One it could not judge (its family has no evaluation set) goes to a canary share
+    of each cohort first, guarded by what those devices measure on their own samples when they install it: the
+    mean change of accuracy against the version it replaces (``val_accuracy_change``, each device's install
+    report) must not fall below minus the release margin, or the rollout is rolled back and the version marked as
+    failed (``rollout_tick``)."""
+    from training.federation.aggregation_settings import aggregation_settings
+
+    if (version.gate or {}).get("verdict") != "unjudged":
+        return [{"percent": 100}], []
+    margin = float(aggregation_settings(version.adapter)["release_margin"])
+    guards = [{"metric": "val_accuracy_change", "min": -margin, "min_reports": CANARY_REPORTS}]
+    return [{"percent": CANARY_PERCENT, "min_soak_seconds": CANARY_SOAK_SECONDS}, {"percent": 100}], guards
