@@ -20,6 +20,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db import connection
 
+from core import bounded_json
 from devices import presence
 from devices.errors import DeviceAuthFailed, DeviceProtocolRefused
 from devices.identity import (
@@ -201,7 +202,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return await self.on_binary(bytes_data)
         limit = MAX_MESSAGE_BYTES if self.device_id else MAX_MESSAGE_BYTES_BEFORE_AUTH
         try:
-            message = decode(text_data if text_data is not None else bytes_data, limit=limit)
+            message = decode(text_data if text_data is not None else bytes_data, limit=limit, loads=bounded_json.loads)
         except OverflowError as exc:
             return await self.refuse(CloseCode.TOO_LARGE, "too_large", str(exc))
         except ValueError as exc:
@@ -338,7 +339,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def on_binary(self, frame: bytes) -> None:
         """A binary frame is a delta chunk with its raw bytes (``edge_agent.protocol.encode_chunk_frame``)."""
         try:
-            sha256, offset, data = decode_chunk_frame(frame, limit=MAX_BINARY_MESSAGE_BYTES)
+            sha256, offset, data = decode_chunk_frame(frame, limit=MAX_BINARY_MESSAGE_BYTES, loads=bounded_json.loads)
         except OverflowError as exc:
             return await self.refuse(CloseCode.TOO_LARGE, "too_large", str(exc))
         except ValueError as exc:
