@@ -212,6 +212,28 @@ def test_json_nested_too_deep_is_malformed_before_and_after_the_hello_and_in_a_c
     assert presence.sync_client().hget(presence.key("state"), device.id) is None
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("agent_version", "9.9\x1b[2J"), ("agent_version", "9.9\u202e"), ("hardware", {"os": "Linux\nroot"}),
+     ("hardware", {"cpu\x07": "arm"})],
+    ids=["ansi-escape", "rtl-override", "newline-in-value", "bell-in-name"],
+)  # fmt: skip
+def test_a_hello_with_control_characters_in_what_the_device_record_keeps_is_malformed(enrolled, field, value):
+    device = enrolled("active")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        signature = sign(device.key, hello_payload(nonce=challenge["nonce"], device_id=device.id))
+        message = {"device_id": device.id, "signature": signature, "protocol": 2, field: value}
+        await communicator.send_to(text_data=encode("hello", **message))
+        return await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
+
+    error = run(scenario)
+    assert f"hello.{field}" in error["message"] and "control characters are not accepted" in error["message"]
+    stored = Device.objects.get(pk=device.id)
+    assert stored.agent_version == "" and stored.hardware == {}
+
+
 def test_an_oversized_message_after_hello_is_refused(enrolled):
     device = enrolled("active")
 

@@ -137,6 +137,61 @@ def test_a_device_enrolled_with_the_identity_point_cannot_sign_in_with_a_keyless
     _refusal(response, "auth_failed", 401)
 
 
+# What a name must not hold: each is refused, never rewritten (the character and where it is, in the message).
+CONTROL_CHARACTERS = {
+    "rtl-override": ("phone\u202egpj.exe", "U+202E (RIGHT-TO-LEFT OVERRIDE) at character 6"),
+    "ltr-embedding": ("\u202aphone", "U+202A"),
+    "isolate": ("phone\u2067", "U+2067 (RIGHT-TO-LEFT ISOLATE)"),
+    "ansi-escape": ("phone\x1b[31m", "U+001B (a control character) at character 6"),
+    "newline": ("phone\nenrolled as admin", "U+000A"),
+    "carriage-return": ("phone\r", "U+000D"),
+    "bell": ("phone\x07", "U+0007"),
+    "nul": ("phone\x00", "U+0000"),
+    "delete": ("phone\x7f", "U+007F"),
+    "c1-next-line": ("phone\x85", "U+0085"),
+    "line-separator": ("phone\u2028", "U+2028 (LINE SEPARATOR)"),
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("case", CONTROL_CHARACTERS, ids=str)
+def test_a_device_name_with_a_control_character_is_refused_and_enrolls_nothing(enrollment_token, case):
+    name, said = CONTROL_CHARACTERS[case]
+    issued = enrollment_token(uses=3)
+    error = enroll(issued.raw, name=name).json()["error"]
+    assert error["code"] == "invalid" and said in error["details"]["name"][0], error
+    assert Device.objects.count() == 0
+    assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 3
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"labels": {"site": "lab\u202e"}}, "labels"),
+        ({"labels": {"si\x1bte": "lab"}}, "labels"),
+        ({"agent_version": "1.0\n"}, "agent_version"),
+        ({"hardware": {"os": "Linux\x1b]0;title\x07"}}, "hardware"),
+        ({"hardware": {"cpu": ["arm", "x86\u2066"]}}, "hardware"),
+    ],
+    ids=["label-value", "label-name", "agent-version", "hardware-value", "hardware-nested"],
+)
+def test_labels_version_and_hardware_with_control_characters_are_refused(enrollment_token, extra, field):
+    response = enroll(enrollment_token().raw, **extra)
+    assert response.status_code == 400 and "control characters are not accepted" in str(
+        response.json()["error"]["details"][field]
+    )
+    assert Device.objects.count() == 0
+
+
+@pytest.mark.django_db
+def test_names_in_other_scripts_and_with_emoji_are_taken_as_sent(enrollment_token):
+    name = "téléphone 電話 هاتف \U0001f4f1 \u200d"  # letters of any script, an emoji, a zero-width joiner
+    response = enroll(enrollment_token().raw, name=name, labels={"site": "Zürich"})
+    assert response.status_code == 201, response.content
+    assert Device.objects.get().name == name
+
+
 @pytest.mark.django_db
 def test_malformed_enrollment_bodies_get_field_errors(enrollment_token):
     issued = enrollment_token()
