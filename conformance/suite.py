@@ -1,7 +1,8 @@
 """Drive a live server through the device flow with a ``Client``, checking every server message against its
 JSON Schema (docs/protocol/schemas). ``run(...)`` returns one ``Result`` per step and prints a line for each.
 The transport and the schema checks are in ``conformance.transport``, the delta steps in
-``conformance.delta_steps``.
+``conformance.delta_steps``, the refusals at the server's edges (weak keys, deep JSON, control characters) in
+``conformance.edge_steps``.
 
 Only the standard library, ``websockets`` and ``jsonschema`` here (and conformance.client).
 """
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from conformance.client import Client
 from conformance.delta_steps import DeltaSteps
+from conformance.edge_steps import EdgeSteps
 from conformance.transport import SCHEMA_DIR, Http, Schemas, Socket, StepFailed, check, safetensors_tensors
 
 __all__ = ["SCHEMA_DIR", "Operator", "Result", "Schemas", "Suite", "run"]
@@ -62,7 +64,7 @@ class State:
     uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-class Suite(DeltaSteps):
+class Suite(DeltaSteps, EdgeSteps):
     def __init__(
         self,
         server_url: str,
@@ -111,11 +113,16 @@ class Suite(DeltaSteps):
         try:
             s("enroll", self.enroll)
             s("enroll_required_fields_only", self.enroll_required_fields_only, "enroll")
+            s("enroll_weak_keys", self.enroll_weak_keys)
+            s("enroll_too_deep", self.enroll_too_deep)
+            s("enroll_control_characters", self.enroll_control_characters)
             s("rest_token", self.rest_token, "enroll")
             s("rest_device_and_heartbeat", self.rest_device_and_heartbeat, "rest_token")
             s("socket_handshake", self.socket_handshake, "enroll")
             s("socket_wrong_signature", self.socket_wrong_signature, "enroll")
             s("socket_oversized_before_hello", self.socket_oversized_before_hello, "enroll")
+            s("socket_too_deep_before_hello", self.socket_too_deep_before_hello, "enroll")
+            s("socket_control_characters_in_hello", self.socket_control_characters_in_hello, "enroll")
             s("socket_session", self.socket_session, "socket_handshake")
             s("assignment", self.assignment_command, "socket_session")
             s("assignment_command_id", self.assignment_command_id, "assignment")

@@ -80,7 +80,7 @@ class Http:
     def request(
         self, method: str, path: str, body: Any = None, *, token: str | None = None
     ) -> tuple[int, dict[str, str], bytes]:
-        data = None if body is None else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()  # bytes: as they are
         request = urllib.request.Request(self.base_url + path, data=data, method=method)  # noqa: S310
         if data is not None:
             request.add_header("Content-Type", "application/json")

@@ -20,6 +20,8 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db import connection
 
+from core import bounded_json
+from core.visible_text import control_character
 from devices import presence
 from devices.errors import DeviceAuthFailed, DeviceProtocolRefused
 from devices.identity import (
@@ -98,6 +100,18 @@ def _authenticate(hello: wire.Hello, nonce: str) -> Device:
         raise Refused(CloseCode.NOT_ALLOWED, exc.code, exc.message) from None
     note_protocol(device, protocol)
     return device
+
+
+def _control_character_in_hello(hello: wire.Hello) -> str | None:
+    """Why the hello's agent_version or hardware, which the device record keeps and operators read, may not be
+    stored (``core.visible_text``), or None."""
+    texts = [("hello.agent_version", hello.agent_version)]
+    for name, value in (hello.hardware or {}).items():
+        texts += [(f"hello.hardware name {name!r}", name), (f"hello.hardware {name!r}", value)]
+    for field, text in texts:
+        if isinstance(text, str) and (where := control_character(text)):
+            return f"{field} holds {where}: control characters are not accepted"
+    return None
 
 
 @_socket_db
@@ -201,7 +215,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return await self.on_binary(bytes_data)
         limit = MAX_MESSAGE_BYTES if self.device_id else MAX_MESSAGE_BYTES_BEFORE_AUTH
         try:
-            message = decode(text_data if text_data is not None else bytes_data, limit=limit)
+            message = decode(text_data if text_data is not None else bytes_data, limit=limit, loads=bounded_json.loads)
         except OverflowError as exc:
             return await self.refuse(CloseCode.TOO_LARGE, "too_large", str(exc))
         except ValueError as exc:
@@ -235,6 +249,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.refuse(refused.code, refused.error, refused.message)
 
     async def on_hello(self, hello: wire.Hello) -> None:
+        if refusal := _control_character_in_hello(hello):
+            raise Refused(CloseCode.MALFORMED, "malformed", refusal)
         device = await _authenticate(hello, self.nonce)
         self.hello_deadline.cancel()
         # Kept for the life of the socket: a change of status that ends syncing closes the socket
@@ -338,7 +354,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def on_binary(self, frame: bytes) -> None:
         """A binary frame is a delta chunk with its raw bytes (``edge_agent.protocol.encode_chunk_frame``)."""
         try:
-            sha256, offset, data = decode_chunk_frame(frame, limit=MAX_BINARY_MESSAGE_BYTES)
+            sha256, offset, data = decode_chunk_frame(frame, limit=MAX_BINARY_MESSAGE_BYTES, loads=bounded_json.loads)
         except OverflowError as exc:
             return await self.refuse(CloseCode.TOO_LARGE, "too_large", str(exc))
         except ValueError as exc:

@@ -18,11 +18,13 @@ from django.core import signing
 from django.core.cache import cache
 
 from core.queries import only_row
+from devices.ed25519_points import public_key_refusal
 from devices.errors import DeviceAuthMalformed, DeviceNotAllowed, DeviceNotAuthenticated, DeviceProtocolRefused
 from devices.models import Device, DeviceEvent, DeviceStatus
 from edge_agent.protocol import (
     PROTOCOL_VERSION,
     SUPPORTED_PROTOCOLS,
+    b64decode,
     b64encode,
     public_key_from_b64,
     token_request_payload,
@@ -65,17 +67,28 @@ def ensure_protocol(protocol) -> int:
 
 def device_verify(*, device_id, payload: dict, signature, protocol: int = PROTOCOL_VERSION) -> Device:
     """Load the device and check the signature, over ``payload``'s canonical form of ``protocol``, with its
-    enrolled key. Status is checked separately."""
+    enrolled key (never with a weak one: ``_weak_enrolled_key``). Status is checked separately."""
     parsed = _parse_device_id(device_id)
     device = only_row(Device.objects.select_related("cohort").filter(pk=parsed))
     if device is None:
         raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
-    if not isinstance(signature, str) or not verify(
-        public_key_from_b64(device.public_key), payload, signature, protocols=(protocol,)
+    if (
+        not isinstance(signature, str)
+        or _weak_enrolled_key(device)
+        or not verify(public_key_from_b64(device.public_key), payload, signature, protocols=(protocol,))
     ):
         _record_auth_failure(device)
         raise DeviceNotAuthenticated("auth_failed", "Unknown device or bad signature.")
     return device
+
+
+def _weak_enrolled_key(device: Device) -> bool:
+    """Whether the device was enrolled, before enrollment checked keys, with one a signature made without any
+    private key verifies against (``devices.ed25519_points``): such a device cannot prove who it is."""
+    try:
+        return public_key_refusal(b64decode(device.public_key)) is not None
+    except ValueError:
+        return True
 
 
 def note_protocol(device: Device, protocol: int) -> None:

@@ -11,9 +11,10 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from devices.ed25519_points import REASONS, public_key_refusal
 from devices.errors import EnrollmentConflict, EnrollmentInvalid, EnrollmentTokenRefused, InvalidTransition
 from devices.models import Cohort, Device, DeviceEvent, DeviceStatus, EnrollmentToken
-from edge_agent.protocol import CloseCode, public_key_from_b64
+from edge_agent.protocol import CloseCode, b64decode
 
 ENROLLMENT_TOKEN_PREFIX = "fet_"  # noqa: S105  (a marker, not a secret)
 
@@ -78,12 +79,20 @@ def device_enroll(
     """Spend one use of an enrollment token and register a device under its public key.
 
     Refusals (each a clear code, nothing written): unknown, revoked, expired or used-up token; a key that
-    is not a valid Ed25519 public key; a key that is already enrolled.
+    is not a valid Ed25519 public key (``devices.ed25519_points``: not 32 bytes, not canonical, not on the curve
+    or of small order); a key that is already enrolled.
     """
     try:
-        public_key_from_b64(public_key)
+        raw_key = b64decode(public_key)
+        refusal = public_key_refusal(raw_key)
     except ValueError as exc:
         raise EnrollmentInvalid("invalid_public_key", f"public_key: {exc}") from None
+    if refusal is not None:
+        raise EnrollmentInvalid(
+            "invalid_public_key",
+            f"public_key {public_key!r} is not an Ed25519 public key to accept: {REASONS[refusal]}",
+            details={"reason": refusal},
+        )
 
     enrollment = EnrollmentToken.objects.select_for_update(no_key=True).filter(token_hash=_hash(token)).first()
     if enrollment is None:

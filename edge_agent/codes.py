@@ -38,8 +38,8 @@ CODES: tuple[Code, ...] = (
     Code(
         "malformed",
         _SOCKET_CLOSE + " 4400",
-        "a frame that is not JSON, not an object, of an unknown type, or with "
-        "a field the message's schema refuses (the message names it)",
+        "a frame that is not JSON, not an object, nested deeper than 64 levels, of an unknown type, or "
+        "with a field the message's schema refuses (the message names it)",
         FIX,
         "fix the message; reconnect with backoff",
     ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import rfc8785
@@ -179,8 +180,10 @@ def encode(message_type: str, **fields: Any) -> str:
     return json.dumps({"type": message_type, **fields}, separators=(",", ":"), allow_nan=False)
 
 
-def decode(text: str | bytes, *, limit: int) -> dict[str, Any]:
-    """Parse one message; raises ValueError with a short reason for anything malformed."""
+def decode(text: str | bytes, *, limit: int, loads: Callable[[str], Any] = json.loads) -> dict[str, Any]:
+    """Parse one message; raises ValueError with a short reason for anything malformed. ``loads`` parses the
+    text once its size is known to be within ``limit`` (the server's bounds how deeply it nests); a ValueError
+    it raises, other than not-JSON, reaches the caller with its own reason."""
     if isinstance(text, bytes):
         raise ValueError("binary frames are not accepted here")
     # Limits count UTF-8 bytes, as they travel (a character may take four); a lone surrogate counts as three.
@@ -188,7 +191,7 @@ def decode(text: str | bytes, *, limit: int) -> dict[str, Any]:
     if size > limit:
         raise OverflowError(f"message of {size} bytes exceeds the {limit}-byte limit")
     try:
-        message = json.loads(text)
+        message = loads(text)
     except json.JSONDecodeError:
         raise ValueError("not valid JSON") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
@@ -203,8 +206,11 @@ def encode_chunk_frame(*, sha256: str, offset: int, data: bytes) -> bytes:
     return CHUNK_FRAME_MAGIC + struct.pack(">H", len(header)) + header + data
 
 
-def decode_chunk_frame(frame: bytes, *, limit: int = MAX_BINARY_MESSAGE_BYTES) -> tuple[str, int, bytes]:
-    """``(sha256, offset, data)`` of a binary chunk frame; ValueError (OverflowError past ``limit``) otherwise."""
+def decode_chunk_frame(
+    frame: bytes, *, limit: int = MAX_BINARY_MESSAGE_BYTES, loads: Callable[[bytes], Any] = json.loads
+) -> tuple[str, int, bytes]:
+    """``(sha256, offset, data)`` of a binary chunk frame; ValueError (OverflowError past ``limit``) otherwise.
+    ``loads`` parses the header, as ``decode``'s parses a message."""
     if len(frame) > limit:
         raise OverflowError(f"binary message of {len(frame)} bytes exceeds the {limit}-byte limit")
     start = len(CHUNK_FRAME_MAGIC) + 2
@@ -214,7 +220,7 @@ def decode_chunk_frame(frame: bytes, *, limit: int = MAX_BINARY_MESSAGE_BYTES) -
     if header_size > MAX_CHUNK_FRAME_HEADER or len(frame) < start + header_size:
         raise ValueError("the binary chunk's header is too long or cut short")
     try:
-        header = json.loads(frame[start : start + header_size])
+        header = loads(frame[start : start + header_size])
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError("the binary chunk's header is not valid JSON") from None
     if not isinstance(header, dict):

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from core.bounded_json import MAX_JSON_DEPTH
 from edge_agent import protocol, wire
 from edge_agent.codes import CODES
 
@@ -47,6 +48,12 @@ LIMITS: tuple[Limit, ...] = (
     Limit("text frame before the hello", protocol.MAX_MESSAGE_BYTES_BEFORE_AUTH, "bytes (UTF-8)", "larger: 4413"),
     Limit("text frame after the hello", protocol.MAX_MESSAGE_BYTES, "bytes (UTF-8)", "larger: 4413"),
     Limit("binary chunk frame", protocol.MAX_BINARY_MESSAGE_BYTES, "bytes", "FPD1 + 2 + header (<= 256) + 512 KiB"),
+    Limit(
+        "JSON nesting",
+        MAX_JSON_DEPTH,
+        "levels",
+        "arrays and objects, the message itself one; deeper: malformed (4400), REST 400 json_too_deep",
+    ),
     Limit("raw bytes in a text delta_chunk", protocol.DELTA_CHUNK_BYTES, "bytes", "before base64url"),
     Limit("hello deadline", protocol.HELLO_TIMEOUT_SECONDS, "seconds", "after the challenge; then 4408"),
     Limit(

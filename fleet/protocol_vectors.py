@@ -226,6 +226,44 @@ def _deltas(files: dict[str, bytes]) -> dict:
     return {"device_key": "fleet vector: device", "deltas": out}
 
 
+_ORDER_8_Y = ("26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+              "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a")  # fmt: skip
+_SIGN_BIT = 0x80  # the top bit of the last byte: the sign of x
+
+# 32-byte encodings a server refuses as a device's public key, each with the point (or non-point) it is and the
+# reason (devices.ed25519_points): the eight points of small order (the identity among them), the encodings
+# of y = 0 and y = 1 with y + p, x = 0 with its sign bit set, all ones, and a y with no x on the curve.
+WEAK_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("01" + "00" * 31, "the identity point (0, 1), order 1", "small_order"),
+    ("ec" + "ff" * 30 + "7f", "(0, -1), order 2", "small_order"),
+    ("00" * 32, "all zero: y = 0, x the even square root of -1: order 4", "small_order"),
+    ("00" * 31 + "80", "y = 0, x the odd square root of -1: order 4", "small_order"),
+    (_ORDER_8_Y[0], "y = y8, x even: order 8", "small_order"),
+    (_ORDER_8_Y[0][:-2] + f"{int(_ORDER_8_Y[0][-2:], 16) | _SIGN_BIT:02x}", "y = y8, x odd: order 8", "small_order"),
+    (_ORDER_8_Y[1], "y = -y8, x even: order 8", "small_order"),
+    (_ORDER_8_Y[1][:-2] + f"{int(_ORDER_8_Y[1][-2:], 16) | _SIGN_BIT:02x}", "y = -y8, x odd: order 8", "small_order"),
+    ("ed" + "ff" * 30 + "7f", "y = p: y = 0 written as y + p", "non_canonical"),
+    ("ed" + "ff" * 31, "y = p with the sign bit set", "non_canonical"),
+    ("ee" + "ff" * 30 + "7f", "y = p + 1: the identity written as y + p", "non_canonical"),
+    ("ee" + "ff" * 31, "y = p + 1 with the sign bit set", "non_canonical"),
+    ("ff" * 32, "all ones: y = 2^255 - 1 = p + 18", "non_canonical"),
+    ("01" + "00" * 30 + "80", "the identity with the sign bit set (x = 0 has no negative)", "non_canonical"),
+    ("02" + "00" * 31, "y = 2: no x puts it on the curve", "not_on_curve"),
+)
+
+
+def _weak_keys() -> dict:
+    return {
+        "about": "public keys enrollment refuses with 400 invalid_public_key; error.details.reason says why "
+        "(RFC 8032 section 5.1.3 decoding, then [8]P is the identity for a point of small order)",
+        "keys": [
+            {"hex": hex_key, "public_key": b64encode(bytes.fromhex(hex_key)), "is": what, "reason": reason}
+            for hex_key, what, reason in WEAK_KEYS
+        ],
+        "accepted": {"public_key": _public(KEYS["fleet vector: device"]), "is": "fleet vector: device"},
+    }
+
+
 def vector_files() -> dict[str, bytes]:
     """Every vector file's name and bytes."""
     files = _delta_files()
@@ -236,6 +274,7 @@ def vector_files() -> dict[str, bytes]:
         "token.json": _token(),
         "manifest.json": _manifest(),
         "deltas.json": _deltas(files),
+        "weak-keys.json": _weak_keys(),
     }
     out = {name: (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode() for name, doc in documents.items()}
     return {**out, **files}

@@ -277,7 +277,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "core.api.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "core.api.errors.exception_handler",
     # A JSON API: forms cannot carry its nested fields. The two upload endpoints take multipart themselves.
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["core.api.parsers.BoundedJSONParser"],  # JSON nested at most 64 deep
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
     + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
     "DEFAULT_THROTTLE_RATES": {"anon": "120/min", "user": "2000/min"},

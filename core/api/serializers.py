@@ -15,6 +15,8 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import relations, serializers
 from rest_framework.utils import html
 
+from core.visible_text import control_character
+
 _STRING_FIELDS = (
     serializers.CharField,
     serializers.ChoiceField,
@@ -83,3 +85,27 @@ class StrictTypesMixin:
 @extend_schema_field({"type": "object"})
 class JsonObjectField(serializers.JSONField):
     """A JSON object whose keys the reader checks (settings, configurations); documented as an object."""
+
+
+def refuse_control_characters(value, *, what: str) -> None:
+    """Refuse text that operators read when it holds a character screens and logs act on (``core.visible_text``):
+    a string, or the keys and strings of an object or list, however nested. ``what`` names it in the message
+    (``name``, ``label``)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            refuse_control_characters(str(key), what=f"{what} name {str(key)!r}")
+            refuse_control_characters(item, what=f"{what} {str(key)!r}")
+    elif isinstance(value, list):
+        for item in value:
+            refuse_control_characters(item, what=what)
+    elif isinstance(value, str) and (where := control_character(value)):
+        raise serializers.ValidationError(f"{what} holds {where}: control characters are not accepted here.")
+
+
+class VisibleCharField(serializers.CharField):
+    """A CharField for text operators read: it refuses control characters in the text as sent, before DRF trims
+    whitespace (a trailing newline would otherwise be dropped without a word) or refuses NUL on its own."""
+
+    def to_internal_value(self, data):
+        refuse_control_characters(data, what=self.field_name or "This value")
+        return super().to_internal_value(data)

@@ -2,7 +2,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from core.api.serializers import StrictTypesMixin
+from core.api.serializers import StrictTypesMixin, VisibleCharField, refuse_control_characters
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken, PersonalizationReport
 from devices.personalization import EARLIEST_MEASUREMENT, MAX_SAMPLES, SERVING
 from devices.presence import MAX_METRICS
@@ -90,6 +90,7 @@ class LabelsField(serializers.JSONField):
 
 
 class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
+    name = VisibleCharField(max_length=100)
     cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
     labels = LabelsField(required=False)
     running_version = VersionRefSerializer(read_only=True, allow_null=True)
@@ -128,6 +129,7 @@ class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
         for key, item in value.items():
             if not isinstance(item, str) or len(key) > 64 or len(item) > 128:
                 raise serializers.ValidationError("labels map names (≤64 chars) to strings (≤128 chars)")
+        refuse_control_characters(value, what="label")
         return value
 
 
@@ -159,25 +161,28 @@ class HardwareField(serializers.DictField):
     {"type": "object", "additionalProperties": {"type": "string", "maxLength": 128}, "maxProperties": 32}
 )
 class EnrollLabelsField(serializers.DictField):
-    child = serializers.CharField(max_length=128, allow_blank=True)  # as DeviceSerializer.validate_labels allows
+    child = VisibleCharField(max_length=128, allow_blank=True)  # as DeviceSerializer.validate_labels allows
 
 
 class EnrollRequestSerializer(StrictTypesMixin, serializers.Serializer):
     token = serializers.CharField(max_length=200)
     public_key = PublicKeyField(max_length=64, help_text="Ed25519 public key, base64url (32 bytes)")
-    name = serializers.CharField(max_length=100)
+    # A device names itself, its labels, version and hardware: operators read each on screens and in logs.
+    name = VisibleCharField(max_length=100)
     hardware = HardwareField(required=False, default=dict)
     labels = EnrollLabelsField(required=False, default=dict)
-    agent_version = serializers.CharField(max_length=32, required=False, default="", allow_blank=True)
+    agent_version = VisibleCharField(max_length=32, required=False, default="", allow_blank=True)
 
     def validate_hardware(self, value):
         if len(value) > 16:
             raise serializers.ValidationError("at most 16 hardware fields")
+        refuse_control_characters(value, what="hardware field")
         return value
 
     def validate_labels(self, value):
         if len(value) > 32:
             raise serializers.ValidationError("at most 32 labels")
+        refuse_control_characters(value, what="label")
         return value
 
 

@@ -151,8 +151,9 @@ def test_unknown_device_is_refused(enrolled):
         ({"text_data": json.dumps({"type": "hello", "device_id": None})}, CloseCode.MALFORMED),
         ({"bytes_data": b"\x00\x01"}, CloseCode.MALFORMED),
         ({"text_data": json.dumps({"type": "hello", "pad": "x" * 5000})}, CloseCode.TOO_LARGE),
+        ({"text_data": '{"type": "hello", "pad": ' + "[" * 2000 + "]" * 2000 + "}"}, CloseCode.MALFORMED),
     ],
-    ids=["not-json", "not-object", "heartbeat-before-hello", "bad-uuid", "null-id", "binary", "oversized"],
+    ids=["not-json", "not-object", "heartbeat-before-hello", "bad-uuid", "null-id", "binary", "oversized", "deep"],
 )
 def test_malformed_and_oversized_messages_before_hello_close_the_socket(frame, close_code):
     async def scenario():
@@ -186,6 +187,51 @@ def test_bad_heartbeats_close_the_socket_and_record_nothing(enrolled, heartbeat)
 
     run(scenario)
     assert presence.sync_client().hget(presence.key("state"), device.id) is None
+
+
+def test_json_nested_too_deep_is_malformed_before_and_after_the_hello_and_in_a_chunk_header(enrolled):
+    device = enrolled("active")
+    deep_header = b"[" * 128 + b"]" * 128  # the longest header a chunk frame may have
+    frames = [
+        {"text_data": '{"type": "hello", "pad": ' + "[" * 2000 + "]" * 2000 + "}"},  # 4 KB, before the hello
+        {"text_data": '{"type": "heartbeat", "seq": 1, "metrics": ' + "[" * 30_000 + "]" * 30_000 + "}"},
+        {"bytes_data": b"FPD1" + len(deep_header).to_bytes(2, "big") + deep_header + b"data"},
+    ]
+
+    async def scenario(frame, after_hello: bool):
+        communicator, challenge = await open_socket()
+        if after_hello:
+            await hello(communicator, challenge, device.id, device.key)
+            assert (await communicator.receive_json_from(timeout=5))["type"] == "welcome"
+        await communicator.send_to(**frame)
+        return await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
+
+    for frame, after_hello in zip(frames, (False, True, True), strict=True):
+        error = async_to_sync(scenario)(frame, after_hello)
+        assert "levels deep; at most 64" in error["message"], error
+    assert presence.sync_client().hget(presence.key("state"), device.id) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("agent_version", "9.9\x1b[2J"), ("agent_version", "9.9\u202e"), ("hardware", {"os": "Linux\nroot"}),
+     ("hardware", {"cpu\x07": "arm"})],
+    ids=["ansi-escape", "rtl-override", "newline-in-value", "bell-in-name"],
+)  # fmt: skip
+def test_a_hello_with_control_characters_in_what_the_device_record_keeps_is_malformed(enrolled, field, value):
+    device = enrolled("active")
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        signature = sign(device.key, hello_payload(nonce=challenge["nonce"], device_id=device.id))
+        message = {"device_id": device.id, "signature": signature, "protocol": 2, field: value}
+        await communicator.send_to(text_data=encode("hello", **message))
+        return await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
+
+    error = run(scenario)
+    assert f"hello.{field}" in error["message"] and "control characters are not accepted" in error["message"]
+    stored = Device.objects.get(pk=device.id)
+    assert stored.agent_version == "" and stored.hardware == {}
 
 
 def test_an_oversized_message_after_hello_is_refused(enrolled):

@@ -118,6 +118,24 @@ def test_admin_edits_name_labels_and_cohort_and_bad_labels_are_refused(api_clien
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    "change",
+    [{"name": "alpha\u202eexe.gpj"}, {"name": "alpha\x1b[2J"}, {"name": "alpha\nbeta"}, {"labels": {"site": "\x07"}}],
+    ids=["rtl-override", "ansi-escape", "newline", "bell-in-label"],
+)
+def test_a_rename_with_a_control_character_is_refused_and_changes_nothing(api_client_for, fleet, change):
+    admin = api_client_for("admin")
+    url = f"/api/v1/devices/{fleet['alpha'].id}/"
+    before = Device.objects.values("name", "labels").get(pk=fleet["alpha"].id)
+    response = admin.patch(url, change, format="json")
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid"
+    assert "control characters are not accepted" in str(error["details"][next(iter(change))])
+    assert Device.objects.values("name", "labels").get(pk=fleet["alpha"].id) == before
+    assert not Device.objects.get(pk=fleet["alpha"].id).events.filter(kind="updated").exists()
+
+
+@pytest.mark.django_db
 def test_cohort_with_devices_cannot_be_deleted(api_client_for, fleet):
     admin = api_client_for("admin")
     cohort_id = admin.get("/api/v1/cohorts/").json()["results"][0]["id"]

@@ -1,5 +1,6 @@
 """Enrollment over the real API: the happy path and every refusal, each changing nothing."""
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -7,10 +8,26 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from devices.models import Device, DeviceEvent, EnrollmentToken
+from devices.ed25519_points import public_key_refusal
+from devices.models import Device, DeviceEvent, DeviceStatus, EnrollmentToken
 from devices.server_key import server_public_key_b64
 from devices.services import enrollment_token_revoke
 from edge_agent.identity import public_key_b64
+from edge_agent.protocol import b64encode
+from tests.conftest import ROOT
+
+WEAK_KEYS = json.loads((ROOT / "docs" / "protocol" / "vectors" / "weak-keys.json").read_text())
+# libsodium's list of the small-order encodings and their y + p forms (crypto_sign_ed25519 blocklist), written
+# out apart from the vectors, so the check and the vectors cannot go wrong together.
+LIBSODIUM_BLOCKLIST = (
+    "00" * 32,
+    "01" + "00" * 31,
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
+    "ec" + "ff" * 30 + "7f",
+    "ed" + "ff" * 30 + "7f",
+    "ee" + "ff" * 30 + "7f",
+)
 
 
 def enroll(token: str, key=None, **extra):
@@ -77,6 +94,102 @@ def test_a_bad_or_reused_public_key_is_refused_without_spending_a_use(enrollment
     _refusal(response, "invalid_public_key", 400)
     assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 2
     assert Device.objects.count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("weak", WEAK_KEYS["keys"], ids=lambda weak: weak["is"])
+def test_a_weak_ed25519_key_is_refused_with_its_reason_and_changes_nothing(enrollment_token, weak):
+    issued = enrollment_token(uses=3)
+    body = {"token": issued.raw, "public_key": weak["public_key"], "name": "phone-1"}
+    response = APIClient().post("/api/v1/enroll/", body, format="json")
+    message = _refusal(response, "invalid_public_key", 400)
+    assert weak["public_key"] in message
+    assert response.json()["error"]["details"] == {"reason": weak["reason"]}
+    assert Device.objects.count() == 0 and DeviceEvent.objects.count() == 0
+    assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 3
+
+
+def test_the_point_check_refuses_libsodium_s_blocklist_and_accepts_generated_keys():
+    assert all(public_key_refusal(bytes.fromhex(encoded)) is not None for encoded in LIBSODIUM_BLOCKLIST)
+    assert {public_key_refusal(bytes.fromhex(weak["hex"])) for weak in WEAK_KEYS["keys"]} == {
+        "small_order", "non_canonical", "not_on_curve",
+    }  # fmt: skip
+    for _ in range(200):
+        assert public_key_refusal(Ed25519PrivateKey.generate().public_key().public_bytes_raw()) is None
+
+
+@pytest.mark.django_db
+def test_a_device_enrolled_with_the_identity_point_cannot_sign_in_with_a_keyless_signature(cohort):
+    # Enrolled before the check: with the identity as key, R = identity and S = 0 verify for every message.
+    identity = bytes([1]) + bytes(31)
+    device = Device.objects.create(
+        name="old", cohort=cohort, status=DeviceStatus.ACTIVE, public_key=b64encode(identity)
+    )
+    client = APIClient()
+    nonce = client.post("/api/v1/device-auth/challenge/", {"device_id": str(device.pk)}, format="json").json()
+    body = {
+        "device_id": str(device.pk),
+        "nonce": nonce["nonce"],
+        "signature": b64encode(identity + bytes(32)),
+        "protocol": 2,
+    }
+    response = client.post("/api/v1/device-auth/token/", body, format="json")
+    _refusal(response, "auth_failed", 401)
+
+
+# What a name must not hold: each is refused, never rewritten (the character and where it is, in the message).
+CONTROL_CHARACTERS = {
+    "rtl-override": ("phone\u202egpj.exe", "U+202E (RIGHT-TO-LEFT OVERRIDE) at character 6"),
+    "ltr-embedding": ("\u202aphone", "U+202A"),
+    "isolate": ("phone\u2067", "U+2067 (RIGHT-TO-LEFT ISOLATE)"),
+    "ansi-escape": ("phone\x1b[31m", "U+001B (a control character) at character 6"),
+    "newline": ("phone\nenrolled as admin", "U+000A"),
+    "carriage-return": ("phone\r", "U+000D"),
+    "bell": ("phone\x07", "U+0007"),
+    "nul": ("phone\x00", "U+0000"),
+    "delete": ("phone\x7f", "U+007F"),
+    "c1-next-line": ("phone\x85", "U+0085"),
+    "line-separator": ("phone\u2028", "U+2028 (LINE SEPARATOR)"),
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("case", CONTROL_CHARACTERS, ids=str)
+def test_a_device_name_with_a_control_character_is_refused_and_enrolls_nothing(enrollment_token, case):
+    name, said = CONTROL_CHARACTERS[case]
+    issued = enrollment_token(uses=3)
+    error = enroll(issued.raw, name=name).json()["error"]
+    assert error["code"] == "invalid" and said in error["details"]["name"][0], error
+    assert Device.objects.count() == 0
+    assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 3
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"labels": {"site": "lab\u202e"}}, "labels"),
+        ({"labels": {"si\x1bte": "lab"}}, "labels"),
+        ({"agent_version": "1.0\n"}, "agent_version"),
+        ({"hardware": {"os": "Linux\x1b]0;title\x07"}}, "hardware"),
+        ({"hardware": {"cpu": ["arm", "x86\u2066"]}}, "hardware"),
+    ],
+    ids=["label-value", "label-name", "agent-version", "hardware-value", "hardware-nested"],
+)
+def test_labels_version_and_hardware_with_control_characters_are_refused(enrollment_token, extra, field):
+    response = enroll(enrollment_token().raw, **extra)
+    assert response.status_code == 400 and "control characters are not accepted" in str(
+        response.json()["error"]["details"][field]
+    )
+    assert Device.objects.count() == 0
+
+
+@pytest.mark.django_db
+def test_names_in_other_scripts_and_with_emoji_are_taken_as_sent(enrollment_token):
+    name = "téléphone 電話 هاتف \U0001f4f1 \u200d"  # letters of any script, an emoji, a zero-width joiner
+    response = enroll(enrollment_token().raw, name=name, labels={"site": "Zürich"})
+    assert response.status_code == 201, response.content
+    assert Device.objects.get().name == name
 
 
 @pytest.mark.django_db

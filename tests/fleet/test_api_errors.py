@@ -47,3 +47,32 @@ def test_wrong_role_is_403_with_an_error_body(api_client_for):
 @pytest.mark.django_db
 def test_method_not_allowed_has_an_error_body(api_client_for):
     assert_error(api_client_for("admin").delete("/api/v1/me/"), 405, "method_not_allowed")
+
+
+# About 1,000 levels in 2 KB: DRF's own parser let json's RecursionError out, a 500 on an anonymous endpoint.
+DEEP = "[" * 1000 + "]" * 1000
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("role", "path"), [(None, "/api/v1/enroll/"), ("admin", "/api/v1/cohorts/")])
+def test_json_nested_too_deep_is_a_400_json_too_deep_and_creates_nothing(api_client_for, role, path):
+    from devices.models import Cohort, Device
+
+    before = (Cohort.objects.count(), Device.objects.count())
+    for body in (DEEP, '{"name": ' + '{"a": ' * 65 + "1" + "}" * 65 + "}"):
+        response = api_client_for(role).post(path, body, content_type="application/json")
+        error = assert_error(response, 400, "json_too_deep")
+        assert error["details"]["max_depth"] == 64 and error["details"]["depth"] > 64
+        assert "64" in error["message"]
+    assert (Cohort.objects.count(), Device.objects.count()) == before
+
+
+@pytest.mark.django_db
+def test_json_nested_as_deep_as_the_limit_is_parsed_and_judged_by_its_fields(api_client_for):
+    body = '{"name": ' + "[" * 63 + "]" * 63 + "}"  # 64 levels with the object around it
+    error = assert_error(api_client_for("admin").post("/api/v1/cohorts/", body, content_type="application/json"),
+                         400, "invalid")  # fmt: skip
+    assert "name" in error["details"]
+    brackets_in_strings = {"name": "[" * 5000, "description": "{" * 5000 + '\\"[' * 100}
+    response = api_client_for("admin").post("/api/v1/cohorts/", brackets_in_strings, format="json")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid"  # the slug, not the depth

@@ -32,7 +32,9 @@ RULES_BEYOND_THE_SCHEMA = {
     "POST /api/v1/cohorts/": "the name must be new",
     "PATCH /api/v1/cohorts/{id}/": "the name must be new",
     "POST /api/v1/enrollment-tokens/": "cohort must name an existing cohort; expires_at must be in the future",
-    "PATCH /api/v1/devices/{id}/": "cohort must name an existing cohort",
+    "PATCH /api/v1/devices/{id}/": "cohort must name an existing cohort; no control characters in the name or labels",
+    "POST /api/v1/enroll/": "public_key must encode a point on the curve, canonically, not of small order; no "
+    "control characters in the name, labels, agent_version or hardware",
     "POST /api/v1/base-models/": "the name must be new; family must name an importable model family",
     "POST /api/v1/adapters/": "base_model, cohorts and target modules must exist; aggregation settings valid together",
     "POST /api/v1/adapters/{id}/versions/import/": "adapter_model must be a safetensors file matching the adapter",
