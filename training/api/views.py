@@ -1,17 +1,17 @@
 from __future__ import annotations
 
-import json
-
 from django.db.models import Max
 from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 
 from accounts.roles import Role
+from core import bounded_json
 from core.api.errors import ApiError, ErrorBodySerializer
+from core.api.parsers import BoundedJSONParser
 from training.api.serializers import (
     AdapterSerializer,
     AdapterVersionSerializer,
@@ -48,7 +48,7 @@ class BaseModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewset
     write_role = Role.ADMIN
     queryset = BaseModel.objects.all()
     serializer_class = BaseModelSerializer
-    parser_classes = [JSONParser, MultiPartParser]  # multipart for the weights file
+    parser_classes = [BoundedJSONParser, MultiPartParser]  # multipart for the weights file
     search_fields = ["name", "family"]
 
     @extend_schema(request=BaseModelCreateSerializer, responses={201: BaseModelSerializer, 413: ErrorBodySerializer})
@@ -132,7 +132,7 @@ class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         config = None
         if data.validated_data.get("adapter_config"):
             try:
-                config = json.loads(_read_upload(data.validated_data["adapter_config"], limit=1024 * 1024))
+                config = bounded_json.loads(_read_upload(data.validated_data["adapter_config"], limit=1024 * 1024))
             except (ValueError, UnicodeDecodeError):
                 raise ApiError("invalid_config", "adapter_config.json is not valid JSON", status_code=400) from None
         version = version_import(
