@@ -252,13 +252,19 @@ def choose(shared: dict, personal: dict, settings: PersonalSettings) -> str:
     """Which model the device serves. The personal one, unless the held slice says it does not help: on at
     least ``min_val_samples`` samples it is not better than the shared version by ``margin``. A device with
     fewer held samples than that cannot tell the two apart and keeps its personal model, which every
-    method keeps near the shared version or trains from it (bench/README.md, "personalization.py")."""
+    method keeps near the shared version or trains from it (bench/README.md, "personalization.py"). When both
+    are right on exactly the same share of the held slice (a few samples, or samples the application handed over
+    more than once, where both score 100%), the held slice's loss decides: the model more sure of the right
+    answers (bench/README.md, "fleet_learning.py")."""
     if settings.method == "none" or not personal or not shared:
         return "shared"
     if int(personal.get("samples", 0)) < max(settings.min_val_samples, 1):
         return "personal"
-    better = personal.get("accuracy", float("nan")) >= shared.get("accuracy", float("nan")) + settings.margin
-    return "personal" if better else "shared"
+    mine, theirs = personal.get("accuracy", float("nan")), shared.get("accuracy", float("nan"))
+    if mine >= theirs + settings.margin:
+        return "personal"
+    tied = abs(mine - theirs) < 1e-9 and personal.get("loss", float("inf")) < shared.get("loss", float("nan"))
+    return "personal" if tied else "shared"
 
 
 def personalize(
