@@ -45,7 +45,7 @@ check-migrations: install
 # Lint, migrations in sync, Chromium for the browser tests, then the whole suite against real PostgreSQL,
 # Redis and Celery workers (embedded ones when DATABASE_URL / REDIS_URL are not set).
 test: lint check-migrations chromium
-	$(PY) -m fleet.launcher exec -- $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m fleet.launcher exec -- $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # Benchmarks print tables with their baseline (see bench/README.md); they start their own servers.
 bench: install

@@ -129,7 +129,7 @@ def _notices(state: ReleaseState, traffic: dict[str, int], collecting: bool) -> 
                 f"Automatic release is off: {state.newer_candidates} candidate"
                 f"{'s' if state.newer_candidates != 1 else ''} newer than what devices run wait for a rollout "
                 f"(newest v{newest.number}{_accuracy(newest)}). {keeps}.",
-                "Roll one out from New rollout (staged, with guards), or turn automatic release on.",
+                "Roll one out from the Rollouts page (staged, with guards), or turn automatic release on.",
             )
         )
     rejected = {code: n for code, n in traffic.items() if code != "accepted"}

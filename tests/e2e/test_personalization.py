@@ -61,7 +61,9 @@ SAMPLES = 200
 # A personal pass of 100 epochs (the most the setting allows) takes a few seconds on 200 samples: long enough to
 # be killed in the middle of.
 PERSONALIZATION = {"method": "private_modules", "private_modules": ["head"], "epochs": 100, "lr": 0.02}
-AGGREGATION = {"strategy": "fedavg", "buffer_size": 1, "min_deltas": 1, "auto_release": True}
+# Every version released, whatever the server's evaluation says (release_margin 1): this is one device's life across
+# versions, and one user who names digits their own way makes a version the release gate would hold back.
+AGGREGATION = {"strategy": "fedavg", "buffer_size": 1, "min_deltas": 1, "auto_release": True, "release_margin": 1.0}
 
 SETUP = """
 import json

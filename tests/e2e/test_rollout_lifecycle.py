@@ -173,7 +173,13 @@ def test_a_two_phase_rollout_installs_and_a_worse_version_is_rolled_back_automat
             for k, v in good.items()
         }
         v2 = _import(api, adapter["id"], worse)
-        assert api.call("POST", f"/adapter-versions/{v2['id']}/release/", {"reason": "worse"})[0] == 200
+        # the release gate refuses it (the server's evaluation says it is worse than v1); the operator overrides
+        # it, to see the devices' guard roll it back
+        status, refused = api.call("POST", f"/adapter-versions/{v2['id']}/release/", {"reason": "worse"})
+        assert status == 409 and refused["error"]["code"] == "release_gate_failed", refused
+        override = {"reason": "a guarded rollout to see it rolled back", "override": True}
+        status, released = api.call("POST", f"/adapter-versions/{v2['id']}/release/", override)
+        assert status == 200 and released["gate"]["verdict"] == "overridden", released
         status, rollout2 = api.call(
             "POST",
             "/rollouts/",
