@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install chromium run test lint check-migrations bench clean
+.PHONY: install chromium run test test-fast lint check-migrations bench clean
 
 # torch goes in first, pinned, so nothing later resolves a (multi-GB CUDA) build from the index.
 # Extras: server (what the production image has), local (embedded PostgreSQL and Redis, psutil: the local run,
@@ -43,9 +43,20 @@ check-migrations: install
 	$(PY) -m fleet.launcher exec -- $(PY) manage.py makemigrations --check --dry-run
 
 # Lint, migrations in sync, Chromium for the browser tests, then the whole suite against real PostgreSQL,
-# Redis and Celery workers (embedded ones when DATABASE_URL / REDIS_URL are not set).
+# Redis and Celery workers (embedded ones when DATABASE_URL / REDIS_URL are not set), on TEST_WORKERS pytest-xdist
+# workers, each with its own test database, Redis prefix and Celery workers (fleet/pytest_plugin.py). Four on two
+# cores: much of a test's time is spent waiting on another process. The 25 slowest tests are listed at the end.
+# --maxschedchunk 1: xdist hands each worker two tests at a time, not a quarter of its share up front (which gave
+# one worker every end-to-end test, since they sort first).
+TEST_WORKERS ?= 4
+XDIST := -n $(TEST_WORKERS) --maxschedchunk 1
 test: lint check-migrations chromium
-	$(PY) -m fleet.launcher exec -- $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	$(PY) -m fleet.launcher exec -- $(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
+
+# The suite without the end-to-end and slow tests (markers e2e and slow), for the edit-test loop; `make test`
+# and CI run everything.
+test-fast: install
+	$(PY) -m fleet.launcher exec -- $(PY) -m pytest $(XDIST) -m "not e2e and not slow" $(PYTEST_ARGS)
 
 # Benchmarks print tables with their baseline (see bench/README.md); they start their own servers.
 bench: install

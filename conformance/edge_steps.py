@@ -1,7 +1,8 @@
 """The conformance suite's steps at the server's edges: what it must refuse however it arrives (docs/protocol/
 README.md, "Enrollment" and "Encodings"). Every public key of vectors/weak-keys.json is refused at enrollment
 with its reason; JSON nested deeper than 64 levels is refused over REST and on the socket; a name with a
-character screens and logs act on is refused, at enrollment and in a hello.
+character screens and logs act on is refused, at enrollment and in a hello; a binary chunk frame whose header has a
+field the protocol does not list, or that carries more than 512 KiB of the file, closes the socket (4400, 4413).
 
 ``EdgeSteps`` is a part of ``conformance.suite.Suite``: it uses the suite's state, operator and sockets.
 """
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # for the annotation only: conformance.suite imports this mod
 
 WEAK_KEYS = SCHEMA_DIR.parent / "vectors" / "weak-keys.json"
 MAX_JSON_DEPTH = 64
+CHUNK_BYTES = 512 * 1024  # the most of the file one binary chunk frame may carry (reference.md, "Limits")
 
 
 def _too_deep(prefix: str, levels: int) -> str:
@@ -99,3 +101,29 @@ class EdgeSteps:
         errors = [m for m in received if m["type"] == "error"]
         check(errors and errors[0]["code"] == "malformed", f"expected an error malformed, got {received}")
         check(code == 4400, f"closed with {code}, expected 4400")
+
+    def _chunk_frame_refused(self, header: dict[str, Any], data: bytes) -> tuple[int | None, list[dict[str, Any]]]:
+        """Send one binary chunk frame with ``header`` and ``data`` after a hello; the close code and messages."""
+        socket, _ = self.hello()
+        try:
+            raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+            socket.send(b"FPD1" + len(raw).to_bytes(2, "big") + raw + data)
+            return socket.expect_close()
+        finally:
+            socket.close()
+
+    def chunk_header_unlisted_field(self) -> str:
+        header = {"offset": 0, "sha256": "0" * 64, "note": "x"}
+        code, received = self._chunk_frame_refused(header, b"data")
+        errors = [m for m in received if m["type"] == "error"]
+        check(errors and errors[0]["code"] == "malformed", f"expected an error malformed, got {received}")
+        check(code == 4400, f"closed with {code}, expected 4400")
+        return "a header with an unlisted field: 4400"
+
+    def chunk_frame_too_large(self) -> str:
+        header = {"offset": 0, "sha256": "0" * 64}  # a short header: the frame stays under the frame limit
+        code, received = self._chunk_frame_refused(header, b"\0" * (CHUNK_BYTES + 1))
+        errors = [m for m in received if m["type"] == "error"]
+        check(errors and errors[0]["code"] == "too_large", f"expected an error too_large, got {received}")
+        check(code == 4413, f"closed with {code}, expected 4413")
+        return f"{CHUNK_BYTES + 1} bytes of file in one frame: 4413"

@@ -123,6 +123,8 @@ class Suite(DeltaSteps, EdgeSteps):
             s("socket_oversized_before_hello", self.socket_oversized_before_hello, "enroll")
             s("socket_too_deep_before_hello", self.socket_too_deep_before_hello, "enroll")
             s("socket_control_characters_in_hello", self.socket_control_characters_in_hello, "enroll")
+            s("chunk_header_unlisted_field", self.chunk_header_unlisted_field, "socket_handshake")
+            s("chunk_frame_too_large", self.chunk_frame_too_large, "socket_handshake")
             s("socket_session", self.socket_session, "socket_handshake")
             s("assignment", self.assignment_command, "socket_session")
             s("assignment_command_id", self.assignment_command_id, "assignment")

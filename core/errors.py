@@ -16,11 +16,16 @@ from typing import Any
 
 
 class DomainError(Exception):
-    """A refusal: the request does not fit the rules (HTTP 400 unless a subclass says otherwise)."""
+    """A refusal: the request does not fit the rules (HTTP 400 unless a subclass says otherwise).
 
-    def __init__(self, code: str, message: str, *, details: dict[str, Any] | None = None):
+    ``expected``: a refusal that is the normal outcome of a race the protocol allows (a device reporting on an
+    assignment a newer one replaced meanwhile), not a caller's mistake: the API answers it as any other, but the
+    server does not log it as a warning (``core.api.errors.exception_handler`` logs it at INFO)."""
+
+    def __init__(self, code: str, message: str, *, details: dict[str, Any] | None = None, expected: bool = False):
         super().__init__(message)
         self.code, self.message, self.details = code, message, details or {}
+        self.expected = expected
 
 
 class Invalid(DomainError):

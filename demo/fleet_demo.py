@@ -7,6 +7,12 @@ tokens. ``run_fleet`` then runs N full agents in this one process, each with its
 outbox, non-IID data shard and power state: they enroll over HTTP, connect over the WebSocket, train,
 upload, install new versions and report metrics. Some go offline now and then and come back, some run on
 battery, and the last one is misbehaving (its updates are blown up 10,000 times, so the server rejects them).
+
+The devices' homes (``DATA_DIR/demo/device-NN``: key, ``agent.json``, outbox, checkpoints) outlive a run, so a
+restart finds the fleet as it left it. A home is bound to the server it enrolled with (``agent.json``'s URL) and
+to the database that enrolled it (its device, under its key, is a row there): ``reset_unbound_homes`` removes the
+homes a run against another URL or port, or another database (or one emptied since), would find dead, and they
+enroll again.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -24,17 +31,18 @@ from pathlib import Path
 from django.utils import timezone
 from safetensors.torch import save as save_safetensors
 
-from devices.models import Cohort
-from devices.services import cohort_create, enrollment_token_create
+from devices.models import Cohort, Device, DeviceStatus
+from devices.services import cohort_create, device_transition, enrollment_token_create
 from edge_agent.assignments import AssignmentHandler
 from edge_agent.connection import AgentConnection, Backoff
 from edge_agent.enroll import enroll
 from edge_agent.families import get_family
 from edge_agent.families.common import pretrain
-from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key
+from edge_agent.identity import KEY_FILE, STATE_FILE, AgentState, load_or_create_key, public_key_b64
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.rest import DeviceSession
 from edge_agent.runtime import AgentConfig, DeviceRuntime
+from edge_agent.training import Interrupted
 from edge_agent.uploads import OutboxUploads
 from training.models import Adapter, BaseModel, Rollout
 from training.registry.services import adapter_create, base_model_create, version_create_seeded, version_transition
@@ -53,7 +61,8 @@ def _say(message: str) -> None:
 
 
 def seed(*, devices: int) -> dict[str, str]:
-    """Create what the demo needs (once) and fresh enrollment tokens; returns {cohort: raw token}."""
+    """Create what the demo needs (once) and fresh enrollment tokens for ``devices`` (none for 0: the setup
+    alone, ``run --devices 0``); returns {cohort: raw token}."""
 
     cohorts = [Cohort.objects.filter(name=n).first() or cohort_create(name=n) for n in COHORTS]
     base = BaseModel.objects.filter(name="digits").first()
@@ -87,7 +96,7 @@ def seed(*, devices: int) -> dict[str, str]:
     elif not Rollout.objects.filter(version__adapter=adapter).exists():
         _say("note: the demo adapter has versions but no rollout; devices wait for one")
     tokens = {}
-    for cohort in cohorts:
+    for cohort in cohorts if devices else ():
         issued = enrollment_token_create(
             cohort=cohort,
             name="demo fleet",
@@ -111,11 +120,15 @@ def factory_base() -> bytes:
 
 
 class SabotagedRuntime(DeviceRuntime):
-    """The misbehaving device: a real trained update, blown up 10,000 times (the server rejects it)."""
+    """The misbehaving device: a real trained update, blown up 10,000 times, and not clipped to the adapter's
+    bound as a well-behaved agent clips it (the server rejects it ``norm_too_large``)."""
 
     def delta_tensors(self, model, started):
         trained = adapter_tensors(model)
         return {k: started[k] + (trained[k] - started[k]) * 10_000 for k in trained}
+
+    def clip_update(self, upload, started, training):
+        return upload
 
 
 @dataclass
@@ -189,12 +202,62 @@ def _enroll(device: DemoDevice, server: str, token: str) -> AgentState:
     raise AssertionError("unreachable")
 
 
-async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio.Event, gate: threading.Semaphore):
+def _unbound(home: Path, server: str) -> tuple[str, Device | None] | None:
+    """Why ``home`` cannot run against ``server`` and this database, with the device it enrolled as if that is a row
+    of this database; None if it can (or has not enrolled yet)."""
+    if not (home / STATE_FILE).exists():
+        return None
+    try:
+        state = AgentState.load(home)
+        key = load_or_create_key(home) if (home / KEY_FILE).exists() else None
+    except (OSError, ValueError, TypeError) as error:  # a home broken by hand cannot run either
+        return f"unreadable ({error})", None
+    device = None if key is None else Device.objects.filter(id=state.device_id, public_key=public_key_b64(key)).first()
+    if state.server.rstrip("/") != server.rstrip("/"):
+        return f"enrolled with {state.server}, not {server}", device
+    if device is None:
+        return "their devices are not in this database (enrolled with another one, or it was emptied since)", None
+    return None
+
+
+def reset_unbound_homes(devices: list[DemoDevice], server: str) -> list[DemoDevice]:
+    """Remove the homes of ``devices`` bound to another server or database (``_unbound``), so those devices enroll
+    again here, and say why in one line; returns them. A device of this database whose home is removed (the same
+    database behind another URL) is retired, so the dashboard does not list it as a device gone silent. A home
+    bound to this server and database is kept as it is: a restart of the same product keeps each device's state."""
+    unbound = {device.home: found for device in devices if (found := _unbound(device.home, server)) is not None}
+    reset = [device for device in devices if device.home in unbound]
+    retired = 0
+    for device in reset:
+        shutil.rmtree(device.home)
+        row = unbound[device.home][1]
+        if row is not None and row.status != DeviceStatus.RETIRED:
+            device_transition(device=row, action="retire", actor=None, reason="demo fleet reset: another server URL")
+            retired += 1
+    if reset:
+        reasons = "; ".join(sorted({why for why, _ in unbound.values()}))
+        old = f"; their {retired} old devices here are retired" if retired else ""
+        _say(
+            f"starting {len(reset)} of {len(devices)} demo devices anew (their homes in {reset[0].home.parent} "
+            f"removed; they enroll again): {reasons}{old}"
+        )
+    return reset
+
+
+async def _run_device(
+    device: DemoDevice,
+    server: str,
+    token: str,
+    stop: asyncio.Event,
+    gate: threading.Semaphore,
+    halt: threading.Event,
+):
     state = await asyncio.to_thread(_enroll, device, server, token)
     key = load_or_create_key(device.home)
     config = device.configure()
     runtime_class = SabotagedRuntime if device.misbehaving else DeviceRuntime
     runtime = runtime_class(home=device.home, state=state, key=key, config=config)
+    runtime.stopping = halt  # the fleet stopping: a pass in progress checkpoints and ends at its next step
 
     session = DeviceSession(server=state.server, device_id=state.device_id, key=key)
     handler = AssignmentHandler(home=device.home, state=state, session=session, evaluate=runtime.evaluate_versions)
@@ -202,6 +265,8 @@ async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio
 
     def train() -> dict:
         with gate:  # two cores for a whole fleet: one training at a time keeps the server responsive
+            if halt.is_set():  # stopped while it waited for its turn: no pass begins now
+                return {"status": "stopped"}
             return runtime.train_once()
 
     async def trainer():
@@ -214,6 +279,8 @@ async def _run_device(device: DemoDevice, server: str, token: str, stop: asyncio
                         f"{device.name}: trained on v{outcome.get('version')}, local accuracy "
                         f"{before.get('accuracy', float('nan')):.2f} -> {after.get('accuracy', float('nan')):.2f}"
                     )
+            except Interrupted:
+                pass  # the fleet is stopping; the pass resumes from its checkpoint at the next start
             except Exception:
                 logger.exception("%s: training failed", device.name)
             with contextlib.suppress(TimeoutError):
@@ -276,9 +343,19 @@ async def run_fleet(*, server: str, devices: list[DemoDevice], tokens: dict[str,
 
     torch.set_num_threads(1)
     gate = threading.Semaphore(1)
+    halt = threading.Event()  # ``stop`` as the training threads see it
     _say(
         f"{len(devices)} devices: {sum(d.flaky for d in devices)} go offline now and then, "
         f"{sum(d.on_battery for d in devices)} on battery, 1 misbehaving ({devices[-1].name})"
     )
-    tasks = [asyncio.create_task(_run_device(d, server, tokens[d.cohort], stop, gate)) for d in devices]
+    tasks = [asyncio.create_task(_run_device(d, server, tokens[d.cohort], stop, gate, halt)) for d in devices]
+
+    async def relay() -> None:
+        await stop.wait()
+        _say("stopping the fleet")
+        halt.set()
+
+    relaying = asyncio.create_task(relay())
     await asyncio.gather(*tasks, return_exceptions=True)
+    relaying.cancel()
+    _say("fleet stopped")

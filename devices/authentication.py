@@ -39,9 +39,11 @@ class DeviceTokenAuthentication(authentication.BaseAuthentication):
         try:
             device = rest_token_device(token.strip())
         except DeviceAuthFailed as exc:
+            # The spec's code travels (device_quarantined, device_retired, token_expired, auth_failed:
+            # docs/protocol/reference.md), not DRF's generic permission_denied / authentication_failed.
             if isinstance(exc, Forbidden):
-                raise exceptions.PermissionDenied(exc.message) from None
-            raise exceptions.AuthenticationFailed(exc.message) from None
+                raise exceptions.PermissionDenied(exc.message, code=exc.code) from None
+            raise exceptions.AuthenticationFailed(exc.message, code=exc.code) from None
         return DevicePrincipal(device=device), device
 
     def authenticate_header(self, request) -> str:

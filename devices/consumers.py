@@ -2,8 +2,9 @@
 
 Protocol and close codes: ``docs/protocol/README.md``; every message is a model of ``edge_agent/wire.py``, which
 validates what arrives here and builds what is sent. After the hello, heartbeats go to Redis
-(``devices.presence``) and pushes arrive on this socket's channel; only upload steps, acknowledgements and new
-personal measurements reach the database, each on the sockets' own database threads (``_socket_db``).
+(``devices.presence``) and pushes arrive on this socket's channel; only upload steps, acknowledgements, new
+personal measurements and changed feedback counts reach the database, each on the sockets' own database threads
+(``_socket_db``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from core import bounded_json
 from core.visible_text import control_character
 from devices import presence
 from devices.errors import DeviceAuthFailed, DeviceProtocolRefused
+from devices.feedback import feedback_report_record
 from devices.identity import (
     accepted_protocols,
     device_verify,
@@ -142,6 +144,7 @@ def _assignment_command(pending: dict) -> dict:
 
 
 _personal_record = _socket_db(personal_report_record)
+_feedback_record = _socket_db(feedback_report_record)
 
 
 @_socket_db
@@ -295,14 +298,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.early_beats = 0
         self.recorded_beat_at = time.monotonic()
-        personal_is_new = False
+        new: set[str] = set()
         try:
-            personal_is_new = await presence.record_heartbeat(self.device_id, state)
+            new = await presence.record_heartbeat(self.device_id, state)
         except Exception:  # Redis away for a moment: keep the socket; the next heartbeat records it
             logger.warning("could not record a heartbeat of %s", self.device_id, exc_info=True)
         await self.send(wire.HeartbeatAck(seq=message["seq"], server_time=time.time()).to_json())
-        if personal_is_new:
+        if "personal" in new:
             await self.on_personal(state["personal"])
+        if "feedback" in new:
+            await self.on_feedback(state["feedback"])
 
     def _beat_is_due(self) -> bool:
         """Whether a heartbeat now is spaced enough from the last one recorded on this socket to be recorded
@@ -321,6 +326,15 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await presence.mark_personal(self.device_id, personal["updated_at"])
         except Exception:
             logger.warning("could not record a personal measurement of %s", self.device_id, exc_info=True)
+
+    async def on_feedback(self, feedback: dict) -> None:
+        """Changed feedback counts: stored (with the rollout guard metrics they make) on a database thread, then
+        noted in Redis; on a failure nothing is noted, and the next heartbeat tries again."""
+        try:
+            await _feedback_record(device_id=self.device_id, feedback=feedback)
+            await presence.mark_feedback(self.device_id, feedback)
+        except Exception:
+            logger.warning("could not record the feedback counts of %s", self.device_id, exc_info=True)
 
     async def on_delta(self, kind: str, message: dict) -> None:
         """Resumable delta upload (the training side's intake): every step answers with where the upload stands."""
@@ -382,7 +396,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     # --- messages from the server side (devices.push) ---
 
     async def device_close(self, event):
-        await self.refuse(event["code"], "closed_by_server", event.get("reason", ""))
+        await self.refuse(event["code"], event.get("error", "closed_by_server"), event.get("reason", ""))
 
     async def device_command(self, event):
         if not self.closed:

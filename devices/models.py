@@ -108,6 +108,24 @@ class Device(models.Model):
     uploads_refused = models.PositiveIntegerField(default=0)
     upload_refused_at = models.DateTimeField(null=True, blank=True)
     upload_refused_code = models.CharField(max_length=32, blank=True)
+    # What its users said of its answers, from its latest heartbeat's ``feedback`` (devices.feedback): answers
+    # confirmed and corrected of the version installed then and of the one it ran before it (null: none reported,
+    # or no version before). ``stored_samples`` and ``unlabeled_samples`` are as of the last change of the counts.
+    feedback_adapter = models.CharField(max_length=64, blank=True)
+    feedback_version = models.PositiveIntegerField(null=True, blank=True)
+    feedback_confirmed = models.PositiveIntegerField(null=True, blank=True)
+    feedback_corrected = models.PositiveIntegerField(null=True, blank=True)
+    feedback_previous_version = models.PositiveIntegerField(null=True, blank=True)
+    feedback_previous_confirmed = models.PositiveIntegerField(null=True, blank=True)
+    feedback_previous_corrected = models.PositiveIntegerField(null=True, blank=True)
+    feedback_samples = models.PositiveIntegerField(
+        null=True, blank=True, help_text="labelled samples stored from its users' feedback"
+    )
+    stored_samples = models.PositiveIntegerField(null=True, blank=True, help_text="labelled samples it holds")
+    unlabeled_samples = models.PositiveIntegerField(
+        null=True, blank=True, help_text="unlabeled samples it holds (null: its agent does not report them)"
+    )
+    feedback_reported_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name", "id"]
@@ -215,6 +233,12 @@ class PersonalizationReport(models.Model):
     personal_accuracy = models.FloatField()
     val_samples = models.PositiveIntegerField()
     trained_samples = models.PositiveIntegerField()
+    shared_only_right = models.PositiveIntegerField(
+        null=True, blank=True, help_text="distinct held samples only the shared version gets right (older agents: null)"
+    )
+    personal_only_right = models.PositiveIntegerField(
+        null=True, blank=True, help_text="distinct held samples only the personal model gets right (older agents: null)"
+    )
     measured_at = models.DateTimeField()
     received_at = models.DateTimeField(default=timezone.now)
     latest = models.BooleanField(default=False)

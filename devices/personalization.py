@@ -35,7 +35,8 @@ def parse_personal(value, *, now: float | None = None) -> dict | None:
     none. Fields other than the documented ones are ignored, as in the rest of a heartbeat."""
     if value is None:
         return None
-    personal = validated(Personal, value, what="personal").to_dict()
+    # the optional paired counts (agents before them send none) are left out rather than kept as nulls
+    personal = {k: v for k, v in validated(Personal, value, what="personal").to_dict().items() if v is not None}
     if personal["updated_at"] > (time.time() if now is None else now) + MAX_CLOCK_AHEAD_SECONDS:
         raise ValueError("personal.updated_at: the measurement's time is more than a day ahead of the server's clock")
     return personal
@@ -72,6 +73,8 @@ def personal_report_record(*, device_id, personal: dict) -> PersonalizationRepor
             personal_accuracy=personal["personal_accuracy"],
             val_samples=personal["val_samples"],
             trained_samples=personal["trained_samples"],
+            shared_only_right=personal.get("shared_only_right"),
+            personal_only_right=personal.get("personal_only_right"),
             measured_at=measured_at,
             latest=True,
         )

@@ -12,10 +12,13 @@ Keys (all under REDIS_PREFIX):
     presence:state  HASH device_id -> JSON of the last heartbeat's power/memory/metrics
     presence:conn   HASH device_id -> channel name of its current socket (for pushes)
     presence:personal HASH device_id -> ``updated_at`` of its last stored personal measurement
+    presence:feedback HASH device_id -> ``devices.feedback.fingerprint`` of its last stored feedback counts
 
 A heartbeat's ``personal`` object (its own model against the shared one) is stored only when it is a new
 measurement: the heartbeat's pipeline reads the last stored ``updated_at`` beside its writes, and only a newer
-one goes to the database (``devices.personalization``), after which ``mark_personal`` notes it.
+one goes to the database (``devices.personalization``), after which ``mark_personal`` notes it. Its ``feedback``
+object (what its users said of its answers) goes the same way when its counts changed (``devices.feedback``,
+``mark_feedback``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 from psycopg.errors import DeadlockDetected
 
+from devices.feedback import fingerprint, parse_feedback
 from devices.models import Device, DeviceEvent
 from devices.personalization import parse_personal
 from edge_agent.wire import HeartbeatState, validated
@@ -101,7 +105,7 @@ async def record_connected(device_id: str, channel_name: str) -> str | None:
 def parse_heartbeat(message: dict) -> dict:
     """Validate a heartbeat (``edge_agent.wire.HeartbeatState``: the socket's and the REST body's fields);
     raises ValueError naming the bad field."""
-    fields = {key: value for key, value in message.items() if key not in ("type", "personal")}
+    fields = {key: value for key, value in message.items() if key not in ("type", "personal", "feedback")}
     if fields.get("metrics", {}) is None:
         del fields["metrics"]  # null: none
     state = validated(HeartbeatState, fields, what="heartbeat").to_dict()
@@ -111,14 +115,16 @@ def parse_heartbeat(message: dict) -> dict:
         "free_memory_mb": state["free_memory_mb"],
         "metrics": state["metrics"],
         "personal": parse_personal(message.get("personal")),
+        "feedback": parse_feedback(message.get("feedback")),
     }
 
 
 def _heartbeat_pipeline(pipe, device_id: str, state: dict) -> None:
     pipe.zadd(key("seen"), {device_id: time.time()})
-    stored = {name: value for name, value in state.items() if name != "personal"}
+    stored = {name: value for name, value in state.items() if name not in ("personal", "feedback")}
     pipe.hset(key("state"), device_id, json.dumps(stored, separators=(",", ":")))
     pipe.hget(key("personal"), device_id)
+    pipe.hget(key("feedback"), device_id)
 
 
 def _personal_is_new(state: dict, last: bytes | None) -> bool:
@@ -131,22 +137,31 @@ def _personal_is_new(state: dict, last: bytes | None) -> bool:
         return True
 
 
-async def record_heartbeat(device_id: str, state: dict) -> bool:
-    """Record a heartbeat (from ``parse_heartbeat``); True when it carries a personal measurement newer than
-    the last one stored, which the caller then stores (``devices.personalization``)."""
+def _new_reports(state: dict, last_personal: bytes | None, last_feedback: bytes | None) -> set[str]:
+    new = {"personal"} if _personal_is_new(state, last_personal) else set()
+    feedback = state.get("feedback")
+    if feedback is not None and (last_feedback or b"").decode(errors="replace") != fingerprint(feedback):
+        new.add("feedback")
+    return new
+
+
+async def record_heartbeat(device_id: str, state: dict) -> set[str]:
+    """Record a heartbeat (from ``parse_heartbeat``); returns which of its reports the caller then stores:
+    ``personal`` when it carries a measurement newer than the last one stored (``devices.personalization``),
+    ``feedback`` when its feedback counts differ from the last ones stored (``devices.feedback``)."""
     client = async_client()
     async with client.pipeline(transaction=False) as pipe:
         _heartbeat_pipeline(pipe, device_id, state)
-        *_, last = await pipe.execute()
-    return _personal_is_new(state, last)
+        *_, last_personal, last_feedback = await pipe.execute()
+    return _new_reports(state, last_personal, last_feedback)
 
 
-def record_heartbeat_sync(device_id: str, state: dict) -> bool:
+def record_heartbeat_sync(device_id: str, state: dict) -> set[str]:
     """The same as ``record_heartbeat``, for devices that report over REST instead of a socket."""
     pipe = sync_client().pipeline(transaction=False)
     _heartbeat_pipeline(pipe, device_id, state)
-    *_, last = pipe.execute()
-    return _personal_is_new(state, last)
+    *_, last_personal, last_feedback = pipe.execute()
+    return _new_reports(state, last_personal, last_feedback)
 
 
 async def mark_personal(device_id: str, updated_at: float) -> None:
@@ -156,6 +171,15 @@ async def mark_personal(device_id: str, updated_at: float) -> None:
 
 def mark_personal_sync(device_id: str, updated_at: float) -> None:
     sync_client().hset(key("personal"), device_id, repr(updated_at))
+
+
+async def mark_feedback(device_id: str, feedback: dict) -> None:
+    """Note the feedback counts just stored, so heartbeats repeating them stop at Redis."""
+    await async_client().hset(key("feedback"), device_id, fingerprint(feedback))
+
+
+def mark_feedback_sync(device_id: str, feedback: dict) -> None:
+    sync_client().hset(key("feedback"), device_id, fingerprint(feedback))
 
 
 # Remove the connection entry only if it still names this socket (a newer socket may have replaced it).

@@ -29,8 +29,10 @@ async def adevice_send(device_id: str, message: dict) -> bool:
     return True
 
 
-def device_disconnect(device_id: str, *, code: int, reason: str) -> bool:
-    return run_async(adevice_send, device_id, {"type": "device.close", "code": code, "reason": reason})
+def device_disconnect(device_id: str, *, code: int, reason: str, error: str = "closed_by_server") -> bool:
+    """Close the device's live socket with ``code``, after an error message carrying ``error`` (a code of the
+    spec's table: ``closed_by_server`` means "retry", ``device_retired`` "stop")."""
+    return run_async(adevice_send, device_id, {"type": "device.close", "code": code, "error": error, "reason": reason})
 
 
 def device_command(device_id: str, *, command_id: str, command: str, args: dict | None = None) -> bool:

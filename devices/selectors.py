@@ -6,6 +6,9 @@ one indexed read whatever the history holds), of devices that are not retired. G
 (personal minus shared, times 100): a device gains above 0 and is not worse at -0.5 points or more. A gain is
 measured on the device's held samples, often a handful: each carries a 95% interval, and the fleet's figures add the
 mean weighted by held samples with its interval, and how many devices hold enough samples to judge by.
+
+Users' feedback is pooled per version from each device's latest counts (``Device.feedback_*``: the version it runs
+and the one before it), of devices that are not retired (``feedback_by_version``).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from django.db.models import Avg, Count, F, Q, QuerySet
+from django.db.models import Avg, Count, F, Q, QuerySet, Sum
 
+from devices.feedback import version_feedback
 from devices.models import Device, DeviceStatus, PersonalizationReport, gain_interval_points
 
 NOT_WORSE_POINTS = -0.5  # a device this close to the shared model (or better) lost nothing that matters
@@ -151,4 +155,27 @@ def adapter_personalization(adapter_id: int) -> dict:
     return {
         "fleet": summarize(reports),
         "cohorts": [{"cohort": name, **summarize(rows)} for name, rows in sorted(by_cohort.items())],
+    }
+
+
+def feedback_by_version(adapter_name: str) -> dict[int, dict]:
+    """Per version of the adapter, the answers the fleet's devices (not retired) say their users confirmed and
+    corrected, pooled, with the correction rate of the pool (``devices.feedback.version_feedback``) and how many
+    devices it comes from. Two grouped reads: the devices' current versions, and the versions before them."""
+    devices = Device.objects.filter(feedback_adapter=adapter_name).exclude(status=DeviceStatus.RETIRED)
+    pooled: dict[int, list[int]] = {}
+    for prefix in ("feedback_", "feedback_previous_"):
+        rows = (
+            devices.filter(**{f"{prefix}version__isnull": False})
+            .values(f"{prefix}version")
+            .annotate(confirmed=Sum(f"{prefix}confirmed"), corrected=Sum(f"{prefix}corrected"), devices=Count("pk"))
+        )
+        for row in rows:
+            counts = pooled.setdefault(row[f"{prefix}version"], [0, 0, 0])
+            counts[0] += row["confirmed"] or 0
+            counts[1] += row["corrected"] or 0
+            counts[2] += row["devices"]
+    return {
+        number: {**version_feedback(number, confirmed, corrected), "devices": devices}
+        for number, (confirmed, corrected, devices) in pooled.items()
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
 from django.db.models import F
@@ -14,9 +14,11 @@ from django.utils import timezone
 from devices.ed25519_points import REASONS, public_key_refusal
 from devices.errors import EnrollmentConflict, EnrollmentInvalid, EnrollmentTokenRefused, InvalidTransition
 from devices.models import Cohort, Device, DeviceEvent, DeviceStatus, EnrollmentToken
-from edge_agent.protocol import CloseCode, b64decode
+from edge_agent.protocol import CloseCode, b64decode, b64encode
 
 ENROLLMENT_TOKEN_PREFIX = "fet_"  # noqa: S105  (a marker, not a secret)
+# How long an enrollment token is usable when its creator names no expiry (the API's expires_at left out).
+ENROLLMENT_TOKEN_LIFETIME = timedelta(days=7)
 
 
 def _hash(raw: str) -> str:
@@ -41,11 +43,13 @@ def enrollment_token_create(
     *,
     cohort: Cohort,
     name: str,
-    expires_at: datetime,
+    expires_at: datetime | None = None,
     uses: int | None = None,
     requires_approval: bool = True,
     created_by=None,
 ) -> IssuedEnrollmentToken:
+    """A new token for ``cohort``, usable until ``expires_at`` (default: ENROLLMENT_TOKEN_LIFETIME from now)."""
+    expires_at = expires_at or timezone.now() + ENROLLMENT_TOKEN_LIFETIME
     raw = ENROLLMENT_TOKEN_PREFIX + secrets.token_urlsafe(32)
     token = EnrollmentToken.objects.create(
         cohort=cohort,
@@ -93,6 +97,10 @@ def device_enroll(
             f"public_key {public_key!r} is not an Ed25519 public key to accept: {REASONS[refusal]}",
             details={"reason": refusal},
         )
+    # One spelling per key: base64 admits several for the same 32 bytes (padding, the +/ alphabet, set trailing
+    # bits), and the unique column compares spellings. Stored canonical, a key enrolled again under another
+    # spelling is the duplicate it is.
+    public_key = b64encode(raw_key)
 
     enrollment = EnrollmentToken.objects.select_for_update(no_key=True).filter(token_hash=_hash(token)).first()
     if enrollment is None:
@@ -168,8 +176,11 @@ def device_transition(*, device: Device, action: str, actor, reason: str = "") -
         from devices.push import device_disconnect
 
         device_id = str(device.pk)
+        # The error names the status (device_quarantined: wait; device_retired: stop), as a hello would be
+        # refused, so the agent on the live socket does what the spec's table says (docs/protocol/reference.md).
+        error = f"device_{target}"
         transaction.on_commit(
-            lambda: device_disconnect(device_id, code=CloseCode.NOT_ALLOWED, reason=f"device is {target}")
+            lambda: device_disconnect(device_id, code=CloseCode.NOT_ALLOWED, error=error, reason=f"device is {target}")
         )
     return device
 

@@ -1,9 +1,9 @@
 """The agent socket's one entry point into the training side.
 
 ``devices`` sits below the training side (docs/architecture.md): the socket (``devices.consumers``) knows
-devices, presence and the wire protocol, while the assignment a device receives when it checks in and the
-delta uploads it sends belong to training. Training registers its handlers here when Django starts
-(``training.apps``), so no module of ``devices`` imports ``training``.
+devices, presence and the wire protocol, while the assignment a device receives when it checks in, the delta
+uploads it sends and what its users' feedback means for a rollout belong to training. Training registers its
+handlers here when Django starts (``training.apps``), so no module of ``devices`` imports ``training``.
 
 Each upload handler returns the message to send back as ``(type, fields)``: ``delta_state`` with where the
 upload stands, or ``delta_error`` with the refusal's code and message (docs/protocol/README.md, "Delta uploads").
@@ -35,6 +35,10 @@ class TrainingSide(Protocol):
 
     def command_acknowledged(self, device: Device, command_id: str) -> bool:
         """An ``ack`` with ok=true of ``command_id``: the device has it (delta results, assignments)."""
+
+    def feedback_reported(self, device: Device, feedback: dict) -> None:
+        """Changed feedback counts of a heartbeat (``devices.feedback``), the device's row locked: the rollout
+        guard metrics of the version it runs."""
 
 
 _training: TrainingSide | None = None

@@ -27,6 +27,7 @@ from edge_agent.manifest import ManifestRefused, trusted_server_key, verify_mani
 from edge_agent.rest import DeviceSession, ServerError
 
 logger = logging.getLogger("edge_agent.assignments")
+SUPERSEDED = "assignment_superseded"  # the server's answer to a report on a withdrawn assignment (edge_agent/codes.py)
 # Evaluates a new adapter file (and the one it replaces) on local validation data, given the signed manifest,
 # returning guard metrics such as {"val_accuracy": 0.93, "val_accuracy_change": -0.01}.
 Evaluator = Callable[[Path | None, Path, dict], dict]
@@ -85,14 +86,25 @@ class AssignmentHandler:
 
         return await asyncio.to_thread(self.apply, args)
 
-    def _report(self, assignment_id, status: str, reason: str = "", metrics: dict | None = None) -> None:
+    def _report(self, assignment_id, status: str, reason: str = "", metrics: dict | None = None) -> str:
+        """Report ``status`` on the assignment; returns "reported", "superseded" (a newer assignment, or the end of
+        its rollout, withdrew it meanwhile: an expected race, docs/protocol/README.md, "Assignments") or "failed"."""
         try:
             self.session.post(
                 f"/api/v1/device/assignments/{assignment_id}/report/",
                 {"status": status, "reason": reason[:300], "metrics": metrics or {}},
             )
-        except (ServerError, OSError) as error:
+        except ServerError as error:
+            if error.code == SUPERSEDED:
+                logger.info("assignment %s was withdrawn by the server before it took the %s report: %s",
+                            assignment_id, status, error.message)  # fmt: skip
+                return "superseded"
             logger.warning("could not report %s for assignment %s: %s", status, assignment_id, error)
+            return "failed"
+        except OSError as error:
+            logger.warning("could not report %s for assignment %s: %s", status, assignment_id, error)
+            return "failed"
+        return "reported"
 
     def _pin_server_key(self, server_key: str) -> None:
         """Trust the rotated server key from now on (it signed a manifest that passed every check, and each
@@ -128,7 +140,10 @@ class AssignmentHandler:
             return {"status": "refused", "code": refused.code}
         if server_key != self.state.server_public_key:
             self._pin_server_key(server_key)
-        self._report(assignment_id, "delivered")
+        if self._report(assignment_id, "delivered") == "superseded":
+            logger.info("not installing %s v%s (assignment %s): the server no longer wants it; a newer one follows",
+                        manifest["adapter"], manifest["version"], manifest["assignment_seq"])  # fmt: skip
+            return {"status": "superseded", "version": manifest["version"]}
         try:
             base = message.get("base_model") or {}
             base_file = self.store.base_path(manifest["base_model_sha256"])

@@ -3,11 +3,14 @@
 edge-agent enroll --server URL --token T [--name NAME] [--label key=value ...]
 edge-agent run          # stay connected, train when the policy allows, upload deltas, apply assignments
 edge-agent train-once   # one training pass now (--force ignores the policy)
-edge-agent status       # identity, versions, outbox, last training, connection
+edge-agent status       # identity, versions, outbox, samples (new, and how many more a pass waits for),
+                        # unlabeled samples, feedback counts, last training, connection
 edge-agent export DIR   # the installed adapter as a PEFT directory (--personal: the device's own model)
 edge-agent configure    # local settings: data source, power source, policy, training
-edge-agent add-samples PATH ...   # samples from files (npz, JSON lines, CSV, image folders)
+edge-agent add-samples PATH ...   # samples from files (npz, JSON lines, CSV, image folders), labelled or not
 edge-agent predict [FILE]         # the served model's predictions for samples in FILE (or JSON lines on stdin)
+edge-agent ask K                  # the K unlabeled samples whose labels would help most, as answers to label
+edge-agent feedback ID LABEL      # a user confirms or corrects an answer of predict or ask: a labelled sample
 """
 
 from __future__ import annotations
@@ -17,17 +20,35 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
-from edge_agent import __version__
-from edge_agent.api import Agent, NotReady
+from safetensors.torch import load_file, save_file
+
+from edge_agent import __version__, bounded_json
+from edge_agent.api import Agent, NotReady, samples_status
+from edge_agent.assignments import AdapterStore, AssignmentHandler
+from edge_agent.connection import AgentConnection, Backoff, Retired
+from edge_agent.enroll import EnrollmentError, enroll
+from edge_agent.feedback import Answers, FeedbackError
 from edge_agent.identity import STATE_FILE, AgentState, default_home, load_or_create_key
 from edge_agent.inbox import Inbox
+from edge_agent.lora import peft_config
+from edge_agent.packaging import Outbox
+from edge_agent.personal import PersonalSettings, PersonalStore, derive
+from edge_agent.rest import DeviceSession
+from edge_agent.runtime import LAST_TRAINING_FILE, AgentConfig, DeviceRuntime
 from edge_agent.sample_files import SampleError
+from edge_agent.samples import SampleStore
+from edge_agent.training import Interrupted
+from edge_agent.unlabeled import MAX_UNLABELED, UnlabeledStore
+from edge_agent.uploads import OutboxUploads
+from edge_agent.visible_text import visible
 
 
 def _labels(pairs: list[str]) -> dict:
@@ -41,8 +62,6 @@ def _labels(pairs: list[str]) -> dict:
 
 
 def cmd_enroll(args) -> int:
-    from edge_agent.enroll import EnrollmentError, enroll
-
     try:
         state = enroll(
             home=args.home,
@@ -68,10 +87,51 @@ def _load(args):
     return state, key
 
 
+def take_inbox(inbox: Inbox, agent: Agent) -> list[dict]:
+    """What ``run`` does with the inbox before each training check: take every file (``Inbox.take``): a feedback
+    file's feedback, any other file's samples (``Agent.take_file``), once the first version has told the agent what
+    a sample is; until then files wait."""
+    if not (inbox.waiting() or inbox.interrupted()):
+        return []
+    try:
+        agent.schema()
+    except NotReady:
+        return []
+    return inbox.take(agent.take_file)
+
+
+def inbox_for(home: Path, config) -> Inbox:
+    """The inbox, its ``rejected/`` bounded as the settings say."""
+    return Inbox(home, keep_files=config.rejected_keep_files, keep_bytes=int(config.rejected_keep_mib * 2**20))
+
+
+# How long `run` waits, after SIGTERM or Ctrl-C, for what it is doing to end on its own (a training pass ends at its
+# next optimizer step, checkpointed; the socket closes within a second) before it exits regardless. What is still
+# running then (an assignment's download, a large inbox file) is cut short as by a power cut, which the agent is
+# built for: it is taken up again at the next start.
+STOP_GRACE_SECONDS = 1.5
+
+
+def _exit(code: int) -> None:
+    """End the process now, its output flushed. The interpreter's own teardown (torch's modules) takes another
+    second and has nothing left to do: every file the agent keeps is written atomically as it goes."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_now(log: logging.Logger) -> None:
+    log.info("still busy %.1fs after the stop: exiting now; what was cut short is taken up at the next start",
+             STOP_GRACE_SECONDS)  # fmt: skip
+    _exit(0)
+
+
 def cmd_run(args) -> int:
-    from edge_agent.connection import AgentConnection, Backoff, Retired
-    from edge_agent.runtime import DeviceRuntime
-    from edge_agent.uploads import OutboxUploads
+    """Stay connected and train until SIGTERM or Ctrl-C: then say so, end the current step (a training pass
+    checkpoints and stops before its next optimizer step), close the socket and exit the process within
+    STOP_GRACE_SECONDS or so."""
 
     try:
         state, key = _load(args)
@@ -80,37 +140,46 @@ def cmd_run(args) -> int:
         print(error, file=sys.stderr)
         return 1
 
-    agent, inbox = Agent(args.home), Inbox(args.home)
+    agent, inbox = Agent(args.home), inbox_for(args.home, runtime.config)
     logging.getLogger("edge_agent").info("inbox: files dropped in %s are taken before each pass", inbox.make())
-
-    def take_inbox() -> None:
-        if not (inbox.waiting() or any(inbox.taking.glob("*"))):
-            return
-        try:
-            agent.schema()
-        except NotReady:  # files wait until the first version tells the agent what samples look like
-            return
-        inbox.take(agent.add_file)
 
     async def train_forever(stop: asyncio.Event) -> None:
         interval = float(runtime.config.train_interval_seconds)
         while not stop.is_set():
+            try:  # (each file's trouble stays with it; this is for the inbox folder itself, unreadable say)
+                await asyncio.to_thread(take_inbox, inbox, agent)
+            except Exception:
+                logging.getLogger("edge_agent").exception("taking the inbox failed")
             try:
-                await asyncio.to_thread(take_inbox)
                 outcome = await asyncio.to_thread(runtime.train_once)
                 logging.getLogger("edge_agent").info("training: %s (%s)", outcome["status"], outcome.get("reason"))
+            except Interrupted as interrupted:  # the agent is stopping
+                logging.getLogger("edge_agent").info(
+                    "training stopped (%s): it resumes from its checkpoint at the next start", interrupted
+                )
             except Exception:  # a failed pass is logged and retried at the next interval, never fatal
                 logging.getLogger("edge_agent").exception("training pass failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
 
+    log = logging.getLogger("edge_agent")
+
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping(signum: int) -> None:
+            if stop.is_set():
+                return
+            log.info("stopping (%s): ending the current step", signal.Signals(signum).name)
+            stop.set()
+            runtime.stopping.set()  # a training pass checkpoints and ends before its next step
+            deadline = threading.Timer(STOP_GRACE_SECONDS, _exit_now, args=(log,))
+            deadline.daemon = True  # gone with the process when it exits in time
+            deadline.start()
+
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        from edge_agent.assignments import AssignmentHandler
-        from edge_agent.rest import DeviceSession
+            loop.add_signal_handler(signum, stopping, signum)
 
         session = DeviceSession(server=state.server, device_id=state.device_id, key=key)
         connection = AgentConnection(
@@ -132,16 +201,18 @@ def cmd_run(args) -> int:
             return 3
         finally:
             stop.set()
+            runtime.stopping.set()
             if trainer is not None:
                 await trainer
         return 0
 
-    return asyncio.run(main())
+    code = asyncio.run(main())
+    log.info("stopped")
+    _exit(code)  # (the process ends here: `run` is the agent's process, never a step inside another program)
+    return code
 
 
 def cmd_train_once(args) -> int:
-    from edge_agent.runtime import DeviceRuntime
-
     try:
         state, key = _load(args)
         outcome = DeviceRuntime(home=args.home, state=state, key=key).train_once(force=args.force)
@@ -153,12 +224,6 @@ def cmd_train_once(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from safetensors.torch import load_file, save_file
-
-    from edge_agent.assignments import AdapterStore
-    from edge_agent.lora import peft_config
-    from edge_agent.personal import PersonalSettings, PersonalStore, derive
-
     current = AdapterStore(args.home).state().get("current")
     if not current or not current.get("training"):
         print("no adapter installed yet", file=sys.stderr)
@@ -191,18 +256,23 @@ def cmd_export(args) -> int:
 
 
 def cmd_add_samples(args) -> int:
-    agent, failed = Agent(args.home), 0
+    """Every path in turn: a bad one is reported (which, and why) and the next one taken; the exit status is 1
+    when any was refused."""
+    agent, failed = Agent(args.home), []
     for path in args.paths:
         try:
             added = agent.add_file(path)
         except NotReady as error:
             print(error, file=sys.stderr)
             return 1
-        except (SampleError, OSError) as error:
-            print(f"{path}: refused, nothing stored: {error}", file=sys.stderr)
-            failed += 1
+        except Exception as error:  # whatever one file does, the others are still taken
+            reason = str(error) if isinstance(error, ValueError | OSError) else f"{type(error).__name__}: {error}"
+            print(f"{visible(path)}: refused, nothing stored: {visible(reason)}", file=sys.stderr)
+            failed.append(path)
             continue
-        print(f"{path}: {added} samples stored")
+        print(f"{visible(path)}: {added} samples stored ({added.labelled} labelled, {added.unlabeled} unlabeled)")
+    if failed:
+        print(f"{len(failed)} of {len(args.paths)} refused: {', '.join(visible(p) for p in failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -212,25 +282,65 @@ def cmd_predict(args) -> int:
         if args.file and args.file != "-":
             answer = agent.predict(Path(args.file))
         else:
-            records = [json.loads(line) for line in sys.stdin if line.strip()]
-            if not records:
+            records = [bounded_json.loads(line) for line in sys.stdin if line.strip()]
+            if not records or not all(isinstance(r, dict) for r in records):
                 raise SampleError("no samples on standard input (one JSON object a line)")
             answer = agent.predict({name: [r.get(name) for r in records] for name in records[0]})
     except (NotReady, SampleError, OSError) as error:
         print(f"cannot predict: {error}", file=sys.stderr)
         return 1
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # not JSON, or nested too deep
         print(f"cannot predict: standard input is not JSON lines ({error})", file=sys.stderr)
         return 1
     about = {k: answer[k] for k in ("serving", "adapter", "version", "method")}
-    for label, probabilities in zip(answer["labels"], answer["probabilities"], strict=True):
-        print(json.dumps({"label": label, "probabilities": probabilities, **about}))
+    for answer_id, label, probabilities in zip(answer["ids"], answer["labels"], answer["probabilities"], strict=True):
+        print(json.dumps({"id": answer_id, "label": label, "probabilities": probabilities, **about}))
+    return 0
+
+
+def cmd_ask(args) -> int:
+    """The ``count`` questions of ``Agent.ask``, one JSON line each, as ``predict`` prints its answers, with the
+    sample's inputs (``inputs``) for the application to show."""
+    try:
+        asked = Agent(args.home).ask(args.count)
+    except (NotReady, ValueError, OSError) as error:  # (AskError is a ValueError)
+        print(f"cannot ask: {error}", file=sys.stderr)
+        return 1
+    if not asked["ids"]:
+        print("nothing to ask: no unlabeled sample that is not asked already with its answer open", file=sys.stderr)
+    about = {k: asked[k] for k in ("serving", "adapter", "version", "method")}
+    for index, answer_id in enumerate(asked["ids"]):
+        inputs = {key: value[index].tolist() for key, value in asked["inputs"].items()}
+        print(json.dumps({"id": answer_id, "label": asked["labels"][index],
+                          "probabilities": asked["probabilities"][index], "margin": asked["margins"][index],
+                          "inputs": inputs, **about}))  # fmt: skip
+    return 0
+
+
+def _label_number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise FeedbackError(f"label {visible(text)!r} is not a number") from None
+
+
+def cmd_feedback(args) -> int:
+    """A user's word on one answer of ``predict``: exit 0 with what became of it, or 1 with why it was refused
+    (and nothing changed)."""
+    try:
+        outcome = Agent(args.home).feedback(args.id, _label_number(args.label))
+    except (NotReady, FeedbackError) as error:
+        print(f"feedback refused, nothing changed: {visible(error)}", file=sys.stderr)
+        return 1
+    print(json.dumps(outcome))
     return 0
 
 
 def cmd_configure(args) -> int:
-    from edge_agent.runtime import AgentConfig
-
     config = AgentConfig.load(args.home)
     if args.data == "app":
         config.data = {"kind": "app"}  # samples only from the application: the inbox, add-samples, the Python API
@@ -247,6 +357,27 @@ def cmd_configure(args) -> int:
         config.encoding = args.encoding
     if args.train_interval is not None:
         config.train_interval_seconds = args.train_interval
+    if args.rejected_keep_files is not None:
+        config.rejected_keep_files = args.rejected_keep_files
+    if args.rejected_keep_mib is not None:
+        config.rejected_keep_mib = args.rejected_keep_mib
+    if args.answers_keep is not None:
+        if args.answers_keep < 0:
+            raise SystemExit("--answers-keep takes a count, 0 or more (0: no answer is kept, feedback is refused)")
+        config.answers_keep = args.answers_keep
+    if args.answers_keep_days is not None:
+        if not args.answers_keep_days > 0:
+            raise SystemExit("--answers-keep-days takes a number of days above 0")
+        config.answers_keep_days = args.answers_keep_days
+    if args.unlabeled_keep is not None:
+        if not 0 <= args.unlabeled_keep <= MAX_UNLABELED:
+            raise SystemExit(
+                f"--unlabeled-keep takes a count from 0 to {MAX_UNLABELED:,} (0: unlabeled samples are refused)"
+            )
+        config.unlabeled_keep = args.unlabeled_keep
+        dropped = UnlabeledStore.of(args.home, config).trim()
+        if dropped:
+            print(f"dropped the oldest {dropped} unlabeled samples to keep {config.unlabeled_keep}", file=sys.stderr)
     config.save(args.home)
     print(json.dumps(config.__dict__, indent=2))
     if config.data.get("kind") == "app":
@@ -264,10 +395,6 @@ def cmd_status(args) -> int:
     connection = json.loads(status_path.read_text()) if status_path.exists() else {}
     if connection.get("updated_at"):
         connection["updated_seconds_ago"] = round(time.time() - connection.pop("updated_at"), 1)
-    from edge_agent.assignments import AdapterStore
-    from edge_agent.packaging import Outbox
-    from edge_agent.personal import PersonalStore
-    from edge_agent.runtime import LAST_TRAINING_FILE, AgentConfig
 
     adapters = AdapterStore(args.home).state()
     outbox: dict[str, int] = {}
@@ -281,8 +408,11 @@ def cmd_status(args) -> int:
         "connection": connection,
         "versions": {"current": adapters.get("current"), "previous": adapters.get("previous")},
         "outbox": outbox,
+        "samples": samples_status(args.home, SampleStore(args.home / "samples")),
         "last_training": last,
         "personal": {k: v for k, v in PersonalStore(args.home).state().items() if k not in ("file", "saved")},
+        "unlabeled": UnlabeledStore.of(args.home, config).status(),
+        "feedback": Answers.of(args.home, config).status(),
         "next_training_check_in_seconds": (
             max(0.0, round(last["at"] + config.train_interval_seconds - time.time(), 1)) if last else 0.0
         ),
@@ -328,6 +458,22 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("file", nargs="?", help="a sample file without labels; '-' or none: JSON lines on stdin")
     predict.set_defaults(handler=cmd_predict)
 
+    ask = commands.add_parser(
+        "ask", help="the unlabeled samples whose labels would help most, one JSON line each, to label by feedback"
+    )
+    ask.add_argument("count", type=int, help="how many questions (at most answers_keep)")
+    ask.set_defaults(handler=cmd_ask)
+
+    feedback = commands.add_parser(
+        "feedback",
+        help="confirm or correct an answer of predict or ask by its id: the answer becomes a labelled sample",
+    )
+    feedback.add_argument(
+        "id", help="the answer's id, as predict printed it (an older agent's id may start with '-': put -- before it)"
+    )
+    feedback.add_argument("label", help="the right label: the predicted one confirms the answer, another corrects it")
+    feedback.set_defaults(handler=cmd_feedback)
+
     configure = commands.add_parser("configure", help="local settings (stored in <home>/settings.json)")
     configure.add_argument("--data", choices=["app"], help="app: samples only from the device's application")
     configure.add_argument("--simulate-device", metavar="INDEX/TOTAL", help="demo data: this device's shard")
@@ -336,9 +482,18 @@ def build_parser() -> argparse.ArgumentParser:
     configure.add_argument("--min-new-samples", type=int)
     configure.add_argument("--encoding", choices=["f32", "f16", "int8"])
     configure.add_argument("--train-interval", type=float, help="seconds between training checks")
+    configure.add_argument("--rejected-keep-files", type=int, help="refused inbox files kept in inbox/rejected/")
+    configure.add_argument("--rejected-keep-mib", type=float, help="MiB of refused inbox files kept there")
+    configure.add_argument("--answers-keep", type=int, help="recent answers whose inputs are kept for feedback")
+    configure.add_argument("--answers-keep-days", type=float, help="days an answer's input is kept for feedback")
+    configure.add_argument("--unlabeled-keep", type=int, help="unlabeled samples kept, the oldest dropped first")
     configure.set_defaults(handler=cmd_configure)
 
-    status = commands.add_parser("status", help="show identity and connection state")
+    status = commands.add_parser(
+        "status",
+        help="identity, versions, samples (and how many more new ones training waits for), unlabeled samples, "
+        "feedback, connection",
+    )
     status.set_defaults(handler=cmd_status)
     return parser
 

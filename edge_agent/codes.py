@@ -102,6 +102,15 @@ CODES: tuple[Code, ...] = (
         "ask for a new challenge",
     ),
     Code("token_expired", _REST + " 401", "the device token has expired", RETRY, "exchange a new challenge"),
+    # --- assignments ---
+    Code(
+        "assignment_superseded",
+        _REST + " 409",
+        "a report (delivered, installed, failed) on an assignment that a newer assignment, or the end of its "
+        "rollout, withdrew while the device worked on it: an expected race, nothing was recorded",
+        GIVE_UP,
+        "drop that assignment (do not install it, or keep what was installed); the newer assignment, if any, follows",
+    ),
     # --- delta uploads, at the door ---
     Code(
         "malformed_envelope",

@@ -45,6 +45,29 @@ def compute_delta(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], *,
     return {k: (new[k].detach().float() - old[k].detach().float()).contiguous() for k in keys}
 
 
+# An update is clipped to this share of the adapter's bound: the server sums squares its own way (within 1e-4 of
+# the exact norm) and the file's encoding rounds the values (docs/protocol/README.md, "The delta file").
+CLIP_SHARE = 0.99
+
+
+def clip_to_bound(
+    new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], bound: float | None, *, only_b: bool = False
+) -> tuple[dict[str, torch.Tensor], float]:
+    """``new`` with its change from ``old`` scaled down so that the delta's L2 norm (over what ``compute_delta``
+    uploads) is at most ``CLIP_SHARE`` of ``bound``, the adapter's bound that the manifest's training setting
+    carries (``max_norm``), and the delta's norm before clipping. Unchanged when within it or with no bound: a
+    delta above it would be refused ``norm_too_large`` and the device's samples spent for nothing."""
+    delta = compute_delta(new, old, only_b=only_b)
+    norm = math.sqrt(sum(float(t.double().square().sum()) for t in delta.values()))
+    if not bound or norm <= CLIP_SHARE * bound:
+        return new, norm
+    factor = CLIP_SHARE * bound / norm
+    clipped = dict(new)
+    for key, change in delta.items():
+        clipped[key] = (old[key].detach().float() + change * factor).to(new[key].dtype)
+    return clipped, norm
+
+
 def encode_delta(tensors: dict[str, torch.Tensor], *, encoding: str = "f32") -> bytes:
     """The delta file's bytes in the chosen encoding."""
     if encoding not in ENCODINGS:

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from time import sleep
 
-from edge_agent import __version__
+from edge_agent import __version__, bounded_json
 from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key, public_key_b64
 from edge_agent.sysinfo import hardware_profile
 
@@ -34,7 +34,7 @@ def _explained(error: urllib.error.HTTPError, url: str) -> EnrollmentError:
     """The server's error body in words: its message, the fields it names, its code, and when to try again."""
     retry_after = _seconds(error.headers.get("Retry-After"))
     try:
-        body = json.load(error)["error"]
+        body = bounded_json.loads(error.read())["error"]
         message, code = str(body["message"]), str(body["code"])
     except (ValueError, KeyError, TypeError):
         return EnrollmentError(f"HTTP {error.code} from {url}", retry_after=retry_after)
@@ -67,7 +67,7 @@ def post_json(url: str, payload: dict, *, timeout: float = 30.0, headers: dict |
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
-            return json.load(response)
+            return bounded_json.loads(response.read())
     except urllib.error.HTTPError as error:
         raise _explained(error, url) from None
 

@@ -154,6 +154,31 @@ class TrainingPolicy:
                 )
         return ""
 
+    def samples_status(self, *, stored: int, new: int) -> dict:
+        """Where the device stands against the sample rule, for ``edge-agent status`` and ``Agent.status()``: the
+        samples it holds, how many of them no shared pass trained on yet (``new``), how many new ones the next shared
+        pass waits for (``min_new_samples``) and how many more that is (``new_needed``), with a sentence saying so. An
+        application that hands the agent a few samples at a time learns here why no pass trains yet."""
+        needed = max(0, self.min_new_samples - new)
+        if needed:
+            note = (
+                f"the next training pass (the shared one, whose change is uploaded) waits for {needed} more new "
+                f"samples ({new} of the {self.min_new_samples} min_new_samples); `edge-agent configure "
+                "--min-new-samples N` changes that, `edge-agent train-once --force` trains now"
+            )
+        else:
+            note = (
+                f"{new} new samples, enough for a training pass (min_new_samples {self.min_new_samples}): the power "
+                "rules and the next training check decide when"
+            )
+        return {
+            "stored": stored,
+            "new": new,
+            "min_new_samples": self.min_new_samples,
+            "new_needed": needed,
+            "note": note,
+        }
+
     def decide(
         self, *, new_samples: int, power: PowerState | None, now: datetime | None = None, idle: bool | None = None
     ) -> tuple[bool, str]:

@@ -24,6 +24,8 @@ import rfc8785
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from edge_agent import bounded_json
+
 PROTOCOL_VERSION = 2
 SUPPORTED_PROTOCOLS = (1, 2)  # what this code can verify; the server may stop accepting 1 (its sunset setting)
 # How a device personalizes (the manifest's signed ``personalization.method``; a heartbeat's ``personal.method``).
@@ -33,9 +35,11 @@ PERSONALIZATION_METHODS = ("none", "finetune", "ditto", "private_modules")
 # manifest leaves out (``edge_agent.personal.PersonalSettings``; a manifest without the object means "none").
 PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     "method": "ditto",
-    "lambda": 1.0,  # ditto's proximal weight (bench/README.md, "personalization.py": chosen on a tuning seed)
+    # ditto's proximal weight: 1.0 held devices whose sensor or names differ near a shared version that misreads
+    # them, 5 to 20 points below a plain local fine-tune (bench/README.md, "fleet_learning.py")
+    "lambda": 0.1,
     "private_modules": ["head"],  # the modules that stay on the device under "private_modules"
-    "epochs": 20,  # the personal pass (a quarter of it where ditto released rows: edge_agent/personal.py)
+    "epochs": 50,  # the personal pass at most: it stops early on validation loss (edge_agent/personal.py, PATIENCE)
     "lr": 0.01,
     "margin": 0.01,  # accuracy the personal model must gain over the shared one before the device serves it
     "min_val_samples": 10,  # held-out local samples needed before the device judges between them
@@ -57,6 +61,7 @@ DELTA_CHUNK_BYTES = 45_000
 DELTA_BINARY_CHUNK_BYTES = 512 * 1024
 CHUNK_FRAME_MAGIC = b"FPD1"
 MAX_CHUNK_FRAME_HEADER = 256
+CHUNK_FRAME_HEADER_FIELDS = frozenset({"sha256", "offset"})  # wire.ChunkFrameHeader's; any other is refused
 MAX_BINARY_MESSAGE_BYTES = DELTA_BINARY_CHUNK_BYTES + len(CHUNK_FRAME_MAGIC) + 2 + MAX_CHUNK_FRAME_HEADER
 # delta_begin's metrics: at most this many entries, each a name matching METRIC_NAME_PATTERN and a finite number.
 MAX_DELTA_METRICS = 32
@@ -180,10 +185,10 @@ def encode(message_type: str, **fields: Any) -> str:
     return json.dumps({"type": message_type, **fields}, separators=(",", ":"), allow_nan=False)
 
 
-def decode(text: str | bytes, *, limit: int, loads: Callable[[str], Any] = json.loads) -> dict[str, Any]:
+def decode(text: str | bytes, *, limit: int, loads: Callable[[str], Any] = bounded_json.loads) -> dict[str, Any]:
     """Parse one message; raises ValueError with a short reason for anything malformed. ``loads`` parses the
-    text once its size is known to be within ``limit`` (the server's bounds how deeply it nests); a ValueError
-    it raises, other than not-JSON, reaches the caller with its own reason."""
+    text once its size is known to be within ``limit`` (the agent's and the server's bound how deeply it nests);
+    a ValueError it raises, other than not-JSON, reaches the caller with its own reason."""
     if isinstance(text, bytes):
         raise ValueError("binary frames are not accepted here")
     # Limits count UTF-8 bytes, as they travel (a character may take four); a lone surrogate counts as three.
@@ -207,7 +212,7 @@ def encode_chunk_frame(*, sha256: str, offset: int, data: bytes) -> bytes:
 
 
 def decode_chunk_frame(
-    frame: bytes, *, limit: int = MAX_BINARY_MESSAGE_BYTES, loads: Callable[[bytes], Any] = json.loads
+    frame: bytes, *, limit: int = MAX_BINARY_MESSAGE_BYTES, loads: Callable[[bytes], Any] = bounded_json.loads
 ) -> tuple[str, int, bytes]:
     """``(sha256, offset, data)`` of a binary chunk frame; ValueError (OverflowError past ``limit``) otherwise.
     ``loads`` parses the header, as ``decode``'s parses a message."""
@@ -225,9 +230,15 @@ def decode_chunk_frame(
         raise ValueError("the binary chunk's header is not valid JSON") from None
     if not isinstance(header, dict):
         raise ValueError("the binary chunk's header must be a JSON object")
+    unlisted = sorted(set(header) - CHUNK_FRAME_HEADER_FIELDS)
+    if unlisted:
+        raise ValueError(f"the binary chunk's header has fields the protocol does not list: {unlisted}")
     sha256, offset = header.get("sha256"), header.get("offset")
     if not isinstance(sha256, str) or len(sha256) != 64 or not isinstance(offset, int) or isinstance(offset, bool):
         raise ValueError("the binary chunk's header needs sha256 (64 hex characters) and an integer offset")
     if offset < 0:
         raise ValueError("the binary chunk's offset must not be negative")
-    return sha256, offset, frame[start + header_size :]
+    data = frame[start + header_size :]
+    if len(data) > DELTA_BINARY_CHUNK_BYTES:
+        raise OverflowError(f"a binary chunk of {len(data)} bytes exceeds the {DELTA_BINARY_CHUNK_BYTES}-byte limit")
+    return sha256, offset, data

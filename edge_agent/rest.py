@@ -9,6 +9,7 @@ import urllib.request
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from edge_agent import bounded_json
 from edge_agent.protocol import PROTOCOL_VERSION, sign, token_request_payload
 
 TOKEN_MARGIN_SECONDS = 60
@@ -17,7 +18,7 @@ TOKEN_MARGIN_SECONDS = 60
 class ServerError(Exception):
     def __init__(self, status: int, code: str, message: str):
         super().__init__(f"{message} ({code}, HTTP {status})")
-        self.status, self.code = status, code
+        self.status, self.code, self.message = status, code, message
 
 
 class DeviceSession:
@@ -43,10 +44,10 @@ class DeviceSession:
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
                 raw = response.read()
-                return json.loads(raw) if raw else None
+                return bounded_json.loads(raw) if raw else None
         except urllib.error.HTTPError as error:
             try:
-                detail = json.load(error)["error"]
+                detail = bounded_json.loads(error.read())["error"]
                 raise ServerError(error.code, detail["code"], detail["message"]) from None
             except (ValueError, KeyError, TypeError):
                 raise ServerError(error.code, "http_error", f"HTTP {error.code} for {path}") from None

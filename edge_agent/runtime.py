@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from edge_agent.assignments import AdapterStore, build_model
+from edge_agent.delta import CLIP_SHARE, clip_to_bound
 from edge_agent.families import get_family
 from edge_agent.families.common import concat
+from edge_agent.feedback import Answers, heartbeat_feedback
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.packaging import Outbox
@@ -27,6 +30,7 @@ from edge_agent.personal import PersonalSettings, PersonalStore, derive, hide_ro
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.samples import SPLIT_EVERY, ReplayBuffer, SampleStore, SimulatedStream, device_split
 from edge_agent.training import TrainConfig, train_adapter
+from edge_agent.unlabeled import UnlabeledStore
 
 logger = logging.getLogger("edge_agent.runtime")
 CONFIG_FILE = "settings.json"
@@ -46,6 +50,11 @@ class AgentConfig:
     encoding: str = "f32"
     train_interval_seconds: float = 30.0
     train_window: int = 1000  # a pass trains on at most the newest this many samples (0: all of them)
+    rejected_keep_files: int = 100  # inbox/rejected/ keeps at most this many refused files (edge_agent.inbox)
+    rejected_keep_mib: float = 128.0  # and at most this many MiB of them, the oldest removed first
+    answers_keep: int = 1000  # the inputs of at most this many recent answers are kept (edge_agent.feedback)
+    answers_keep_days: float = 7.0  # and none older than this, the oldest dropped first
+    unlabeled_keep: int = 2000  # at most this many unlabeled samples are kept, the oldest dropped first
 
     @classmethod
     def load(cls, home: Path) -> AgentConfig:
@@ -82,6 +91,9 @@ class DeviceRuntime:
         self.power = power_source(self.config.power)
         self.policy = TrainingPolicy(**self.config.policy)
         self.last: dict[str, Any] = self._read_last()
+        # Set when the agent stops (SIGTERM): a pass in progress checkpoints before its next optimizer step and
+        # raises training.Interrupted; the pass is taken up again, from its checkpoint, at the next start.
+        self.stopping = threading.Event()
 
     def _read_last(self) -> dict:
         path = self.home / LAST_TRAINING_FILE
@@ -110,6 +122,10 @@ class DeviceRuntime:
         personal = self.personal.report()
         if personal is not None:
             beat["personal"] = personal
+        unlabeled = len(UnlabeledStore.of(self.home, self.config))
+        feedback = heartbeat_feedback(Answers(self.home), self.adapters.state(), len(self.samples), unlabeled)
+        if feedback is not None:
+            beat["feedback"] = feedback
         return beat
 
     def _source(self, family, training: dict) -> SimulatedStream | None:
@@ -206,6 +222,17 @@ class DeviceRuntime:
         """The adapter to upload the change of (a hook: the demo's misbehaving device overrides it)."""
         return adapter_tensors(model)
 
+    def clip_update(self, upload: dict, started: dict, training: dict) -> dict:
+        """``upload`` with its change from ``started`` within the adapter's bound (``max_norm`` in the manifest's
+        training setting: ``edge_agent.delta.clip_to_bound``), so an update a little above it is not refused
+        ``norm_too_large`` and the samples spent for nothing (a hook: the demo's misbehaving device skips it)."""
+        bound = training.get("max_norm")
+        clipped, norm = clip_to_bound(upload, started, bound, only_b=bool(training.get("ffa")))
+        if clipped is not upload:
+            logger.info("clipped the update from L2 norm %.4g to %.4g, within the adapter's bound %.4g",
+                        norm, CLIP_SHARE * bound, bound)  # fmt: skip
+        return clipped
+
     def _recent(self, count: int) -> tuple[dict, dict, dict]:
         """The local train, validation and held slices (``device_split``) of this pass: the newest
         ``train_window`` of ``count``."""
@@ -214,7 +241,9 @@ class DeviceRuntime:
 
     def _train_config(self, checkpoint_dir: Path) -> TrainConfig:
         defaults = {"refit": True, "judge_min_samples": JUDGE_MIN_SAMPLES, "restrict_classes": True}
-        return TrainConfig(**{**defaults, **self.config.train, "checkpoint_dir": checkpoint_dir})
+        return TrainConfig(
+            **{**defaults, **self.config.train, "checkpoint_dir": checkpoint_dir, "should_stop": self.stopping.is_set}
+        )
 
     def _replay(self) -> ReplayBuffer:
         return ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
@@ -271,7 +300,10 @@ class DeviceRuntime:
             shared_accuracy=round(float(outcome.shared.get("accuracy", 0.0)), 6),
             personal_accuracy=round(float(measured.get("accuracy", 0.0)), 6),
             val_samples=int(outcome.shared.get("samples", 0)),
+            shared_only_right=outcome.shared.get("only_right"),
+            personal_only_right=measured.get("only_right"),
             trained_samples=len(train.get("y", ())) if train else 0,
+            samples=count,
             pending=None,
             notes=outcome.result.notes if outcome.result is not None else [],
         )
@@ -297,6 +329,24 @@ class DeviceRuntime:
             return {}
         return {"personal": self.personal_pass(current, count=len(self.samples), train_personal=train)}
 
+    def _personal_on_few_samples(self, current: dict) -> dict:
+        """Too few new samples for a shared pass, and the device holds at least twice the samples its personal
+        model was last trained on (or has none yet): the personal pass alone on all of them, nothing uploaded.
+        A device whose user hands it fewer than ``min_new_samples`` samples in all would otherwise never train
+        and serve the shared version (a small own-names device on the fleet benchmark: 31.5% on its test data
+        where a fine-tune of its 7 samples reached 86.3%; bench/README.md, "fleet_learning.py"); doubling keeps
+        the extra passes to a handful (at 1, 2, 4, 8, 16 samples when they come one at a time), each on a few
+        samples, until the shared passes take over."""
+        state = self.personal.state()
+        if PersonalSettings.from_training(current["training"]).method == "none" or state.get("pending"):
+            return {}
+        total = len(self.samples)
+        ours = state.get("adapter") == current["adapter"] and state.get("file")
+        before = int(state.get("samples", state.get("trained_samples", 0)) or 0) if ours else 0
+        if not total or total < 2 * before or total == before:
+            return {}
+        return {"personal": self.personal_pass(current, count=total)}
+
     def train_once(self, *, force: bool = False) -> dict:
         """One pass of the loop; returns (and records) what it decided and why."""
         current = self.adapters.state().get("current")
@@ -316,7 +366,10 @@ class DeviceRuntime:
             go, reason = self.policy.decide(new_samples=new_samples, power=power)
             if not go:
                 allowed = not self.policy.waiting_for(power=power)  # the personal pass needs no new samples
-                return self._note(status="skipped", reason=reason, **self._follow_new_version(current, train=allowed))
+                personal = self._follow_new_version(current, train=allowed)
+                if not personal and allowed:
+                    personal = self._personal_on_few_samples(current)
+                return self._note(status="skipped", reason=reason, **personal)
         if pending.get("sha256") == current.get("sha256") and int(pending.get("count", 0)) <= len(self.samples):
             personal = self.personal_pass(current, count=int(pending["count"]))
             return self._note(status="personalized", reason="finished a personal pass that was cut short",
@@ -350,6 +403,7 @@ class DeviceRuntime:
         for key in private:  # the device's own modules: no change of them leaves the device
             upload[key] = started[key]
         hide_rows(upload, started, rows)  # nor of its own classifier rows
+        upload = self.clip_update(upload, started, training)
         item, added = self.outbox.put_delta(
             upload,
             started,

@@ -7,7 +7,9 @@ a ``ReplayBuffer`` into every micro-batch against forgetting; optionally adds an
 on the local validation slice after every epoch, keeps the best epoch and stops early when validation stops
 improving; and, when even the best epoch is worse on local validation than the adapter it started from,
 discards the update and restores the starting tensors. With ``checkpoint_dir`` it checkpoints atomically
-every ``checkpoint_every`` optimizer steps and at every epoch end, and resumes an interrupted run.
+every ``checkpoint_every`` optimizer steps and at every epoch end, and resumes an interrupted run. With
+``should_stop`` (the agent stopping: SIGTERM) it checkpoints where it stands and raises ``Interrupted`` before
+the next optimizer step, so a stop waits for one step, not for the pass; the next run resumes from there.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class TrainConfig:
     # Train the logits of the classes this run's samples hold only (the family's ``restricted_loss``): the shared
     # pass sets it, so a device that sees two or three classes does not teach the fleet to never predict the rest.
     restrict_classes: bool = False
+    # Asked before every optimizer step: true when the agent is stopping. The run then checkpoints where it
+    # stands (with checkpoint_dir) and raises Interrupted; not part of what makes a run the same run.
+    should_stop: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -109,7 +114,8 @@ class TrainResult:
 
 
 class Interrupted(RuntimeError):
-    """Raise from a progress callback to stop training where it is (the last checkpoint stays)."""
+    """Training stopped where it is (the last checkpoint stays): raised by ``train_adapter`` when
+    ``config.should_stop`` says so, or by a progress callback."""
 
 
 def make_optimizer(config: TrainConfig, parameters) -> torch.optim.Optimizer:
@@ -274,6 +280,9 @@ def train_adapter(
             for step_in_epoch in range(state["step_in_epoch"], steps_per_epoch):
                 if config.max_steps is not None and state["step"] >= config.max_steps:
                     break
+                if config.should_stop is not None and config.should_stop():
+                    save_checkpoint()  # where it stands, mid-epoch: the next run resumes at this step
+                    raise Interrupted(f"stopped at step {state['step']} of {total_steps}")
                 first = step_in_epoch * config.accum_steps
                 group = range(first, min(first + config.accum_steps, micro_batches))
                 rng = np.random.default_rng([config.seed, epoch, step_in_epoch])

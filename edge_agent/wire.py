@@ -120,7 +120,42 @@ class Personal(_Message):
     personal_accuracy: Annotated[Number, Field(ge=0, le=1)]
     val_samples: Annotated[int, Field(ge=0, le=10**9, description="how many held-out samples both were measured on")]
     trained_samples: Annotated[int, Field(ge=0, le=10**9, description="the last personal pass's training slice")]
+    shared_only_right: Annotated[int, Field(ge=0, le=10**9)] | None = Field(
+        default=None, description="distinct held samples the shared version gets right and the personal model wrong"
+    )
+    personal_only_right: Annotated[int, Field(ge=0, le=10**9)] | None = Field(
+        default=None, description="distinct held samples the personal model gets right and the shared version wrong"
+    )
     updated_at: EpochSeconds = Field(description="when it was measured; at most a day ahead of the server's clock")
+
+
+MAX_COUNT = 10**9  # answers or samples a heartbeat counts: far above what a device keeps, far below 2**53
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
+
+class VersionFeedback(_Message):
+    """The answers of one installed version that the device's users confirmed and corrected, whichever model
+    (personal or shared) gave them; each answer takes feedback once."""
+
+    version: Positive = Field(description="the shared version installed when the answers were given")
+    confirmed: Count = Field(description="answers a user gave the predicted label: right")
+    corrected: Count = Field(description="answers a user gave another label: wrong")
+
+
+class Feedback(_Message):
+    """What the device's users said of its answers (``edge_agent.feedback``): counts since each version was
+    installed, never the answers or their inputs, which stay on the device."""
+
+    adapter: AdapterName
+    current: VersionFeedback = Field(description="the version installed now")
+    previous: VersionFeedback | None = Field(
+        default=None, description="the version it ran before the current one, if any (a different version)"
+    )
+    feedback_samples: Count = Field(description="labelled samples stored from feedback on the adapter's answers")
+    samples: Count = Field(description="labelled samples the device holds, of every origin")
+    unlabeled_samples: Count | None = Field(
+        default=None, description="unlabeled samples the device holds (absent from agents before them: none reported)"
+    )
 
 
 class HeartbeatState(_Message):
@@ -137,6 +172,7 @@ class HeartbeatState(_Message):
         default_factory=dict, description="at most 32 named finite numbers (names up to 64 characters)"
     )
     personal: Personal | None = None
+    feedback: Feedback | None = Field(default=None, description="absent from agents before it: none reported")
 
 
 class Heartbeat(HeartbeatState):
@@ -247,6 +283,11 @@ class TrainingConfig(_Message):
     modules_to_save: list[str]
     ffa: bool
     personalization: PersonalizationSetting
+    max_norm: Annotated[Number, Field(gt=0)] | None = Field(
+        default=None,
+        description="the adapter's bound on a delta's L2 norm (norm_too_large); the agent clips its update a little "
+        "below it. Absent from servers before it was sent: no bound known",
+    )
 
 
 class Manifest(_Message):

@@ -4,8 +4,9 @@
     python -m fleet.launcher exec -- CMD ...       # run CMD with the services up (what `make test` does)
 
 Without DATABASE_URL / REDIS_URL it starts embedded PostgreSQL and Redis in FLEET_DATA_DIR (default
-./.data); with them it uses those servers. Ctrl-C (or SIGTERM, SIGHUP) stops the processes, then the services;
-so does its parent going away (``fleet.parent_watch``: make stopped by a signal sent to make alone, or killed).
+./.data); with them it uses those servers. Ctrl-C (or SIGTERM, SIGHUP) stops the processes, the demo fleet first
+(its agents talk to the web server), then the services; so does its parent going away when that parent is make
+or ``--watch-parent`` asks for it (``fleet.parent_watch``: make stopped by a signal sent to make alone, or killed).
 """
 
 from __future__ import annotations
@@ -130,12 +131,22 @@ class Supervisor:
         self.start(name, self.argv[name])
         return True
 
-    def stop(self, timeout: float = 20.0) -> None:
-        for process in self.children.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float = 20.0, *, first: tuple[str, ...] = ()) -> None:
+        """SIGTERM every child and wait for it, ``timeout`` at most (then SIGKILL). The children named in ``first``
+        are stopped before the others: the demo fleet, whose agents would otherwise find the web server gone and
+        retry against it while they stop."""
+        early = [name for name in first if name in self.children]
+        if early:
+            self._stop_group(early, timeout)
+        self._stop_group([name for name in self.children if name not in early], timeout)
+
+    def _stop_group(self, names: list[str], timeout: float) -> None:
+        for name in names:
+            if self.children[name].poll() is None:
+                self.children[name].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for name, process in self.children.items():
+        for name in names:
+            process = self.children[name]
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -176,9 +187,10 @@ def _install_signal_handlers(on_stop) -> None:
         signal.signal(number, handler)
 
 
-def _watch_parent() -> ParentWatch:
+def _watch_parent(always: bool) -> ParentWatch:
     """Until the supervisor takes over, every stop signal is a Ctrl-C (KeyboardInterrupt: the ``finally``
-    blocks stop what was started so far); the parent going away sends us SIGTERM, which is one."""
+    blocks stop what was started so far); the parent going away sends us SIGTERM, which is one. The parent is
+    watched when it is make, or ``always`` (``--watch-parent``)."""
     for number in STOP_SIGNALS:
         signal.signal(number, signal.default_int_handler)
 
@@ -186,7 +198,31 @@ def _watch_parent() -> ParentWatch:
         _say(f"{reason}; stopping everything")
         os.kill(os.getpid(), signal.SIGTERM)
 
-    return ParentWatch(gone).start()
+    return ParentWatch(gone, always=always).start()
+
+
+def _venv_python() -> str:
+    """This interpreter as a person would type it from the checkout (``.venv/bin/python``)."""
+    try:
+        return str(Path(sys.executable).relative_to(BASE_DIR))
+    except ValueError:
+        return sys.executable
+
+
+def _sign_in_hint(env: dict[str, str], demo: bool) -> str:
+    """Who can sign in, as far as this run knows: the demo account (made or refreshed with the demo), an earlier
+    demo's account still there without it, else how to make an operator."""
+    if demo:
+        username, password = _manage(env, "ensure_demo_operator").split()[-2:]
+        return f"sign in as {username} / {password}"
+    existing = _manage(env, "ensure_demo_operator", "--existing").split()
+    if existing:
+        return f"sign in as {existing[-2]} / {existing[-1]} (the demo account of an earlier run)"
+    python = _venv_python()
+    return (
+        "sign in with an operator account; to create one (with an API token): "
+        f"{python} -m fleet.launcher exec -- {python} manage.py create_operator NAME --role admin --api-token"
+    )
 
 
 def _raise_open_file_limit() -> None:
@@ -202,7 +238,7 @@ def _raise_open_file_limit() -> None:
 
 def run(args: argparse.Namespace) -> int:
     _raise_open_file_limit()
-    watch = _watch_parent()
+    watch = _watch_parent(args.watch_parent)
     data_dir = _data_dir()
     started = time.monotonic()
     _say(f"data folder: {data_dir}")
@@ -226,7 +262,10 @@ def run(args: argparse.Namespace) -> int:
             _say("--reset: deleting every row in the database and the demo devices' state")
             _manage(env, "flush", "--noinput")
             shutil.rmtree(data_dir / "demo", ignore_errors=True)
-        username, password = _manage(env, "ensure_demo_operator").split()[-2:]
+        sign_in = _sign_in_hint(env, args.demo)
+        if args.demo and args.devices == 0:
+            _say("--devices 0: seeding the demo setup; no simulated devices")
+            sys.stdout.write(_manage(env, "demo_fleet", "--devices", "0"))
 
         supervisor = Supervisor(env)
         _install_signal_handlers(supervisor.stopping.set)
@@ -274,10 +313,16 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://{local_host}:{args.port}"
         if _wait_ready(f"{base}/readyz", timeout=args.ready_timeout, stopping=supervisor.stopping):
             _say(f"ready in {time.monotonic() - started:.1f}s")
-            _say(f"dashboard:  {base}/   sign in as {username} / {password}")
+            _say(f"dashboard:  {base}/   {sign_in}")
             _say(f"API docs:   {base}/api/docs/")
             _say(f"readiness:  {base}/readyz")
-            if args.demo:
+            if args.demo and args.devices == 0:
+                _say(
+                    "demo setup: cohorts eu-phones and us-wearables, digits-lora v1 rolled out; no simulated devices "
+                    f"(--devices 0): enroll your own with a token from {base}/enrollment-tokens/ or "
+                    "POST /api/v1/enrollment-tokens/"
+                )
+            elif args.demo:
                 supervisor.start(
                     "demo",
                     [python, "manage.py", "demo_fleet", "--server", base, "--devices", str(args.devices)],
@@ -294,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _say("stopping")
         if supervisor is not None:
-            supervisor.stop()
+            supervisor.stop(first=("demo",))  # the fleet's agents before the server they talk to
         services.stop()
         watch.stop()
         _say("stopped")
@@ -304,7 +349,7 @@ def exec_command(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise SystemExit("usage: python -m fleet.launcher exec -- COMMAND [ARGS...]")
-    watch = _watch_parent()
+    watch = _watch_parent(args.watch_parent)
     data_dir = _data_dir()
     services = start_services(data_dir)
     try:
@@ -328,26 +373,47 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="action", required=True)
     cpus = os.cpu_count() or 1
 
+    watch_help = (
+        "stop when the process that started the launcher exits, whatever it is (default: only when it is make; "
+        "FLEET_WATCH_PARENT=1 alike)"
+    )
+    watch_default = os.environ.get("FLEET_WATCH_PARENT", "").strip().lower() in ("1", "true", "yes", "on")
+
     run_parser = commands.add_parser("run", help="run the whole product")
-    run_parser.add_argument("--host", default=os.environ.get("FLEET_HOST", "127.0.0.1"))
-    run_parser.add_argument("--port", type=int, default=int(os.environ.get("FLEET_PORT", "8000")))
+    run_parser.add_argument(
+        "--host", default=os.environ.get("FLEET_HOST", "127.0.0.1"), help="address to serve on (FLEET_HOST)"
+    )
+    run_parser.add_argument(
+        "--port", type=int, default=int(os.environ.get("FLEET_PORT", "8000")), help="port to serve on (FLEET_PORT)"
+    )
     run_parser.add_argument("--web-workers", type=int, default=int(os.environ.get("WEB_CONCURRENCY", min(cpus, 2))))
     run_parser.add_argument(
         "--worker-concurrency", type=int, default=int(os.environ.get("WORKER_CONCURRENCY", min(cpus, 2)))
     )
     run_parser.add_argument("--ready-timeout", type=float, default=120.0)
     run_parser.add_argument(
-        "--devices", type=int, default=int(os.environ.get("FLEET_DEMO_DEVICES", "12")), help="demo fleet size"
+        "--devices",
+        type=int,
+        default=int(os.environ.get("FLEET_DEMO_DEVICES", "12")),
+        help="simulated demo devices (FLEET_DEMO_DEVICES, default 12; at least 3); 0: seed the demo setup "
+        "(cohorts, base model, adapter, version 1 rolled out) and start no simulated devices",
     )
     run_parser.add_argument("--no-demo", dest="demo", action="store_false", help="no demo setup and no fleet")
     run_parser.add_argument(
         "--reset", action="store_true", help="start from an empty database (deletes all rows) and a new demo fleet"
     )
+    run_parser.add_argument("--watch-parent", action="store_true", default=watch_default, help=watch_help)
 
     exec_parser = commands.add_parser("exec", help="run a command with DATABASE_URL and REDIS_URL provided")
+    exec_parser.add_argument("--watch-parent", action="store_true", default=watch_default, help=watch_help)
     exec_parser.add_argument("command", nargs=argparse.REMAINDER)
 
     args = parser.parse_args(argv)
+    if args.action == "run" and args.demo and (args.devices < 0 or 0 < args.devices < 3):
+        parser.error(
+            f"--devices {args.devices}: the demo fleet needs at least 3 devices; "
+            "--devices 0 seeds the demo setup without any"
+        )
     return run(args) if args.action == "run" else exec_command(args)
 
 

@@ -13,6 +13,11 @@ parent is make and no longer catches a terminating signal it caught when the wat
 out, waiting for us). Then it calls ``on_gone`` once; the launcher sends itself SIGTERM, which stops
 everything as Ctrl-C does. Catching signals is read from ``/proc/<pid>/status`` (``SigCgt``), so the make
 check works on Linux only; the orphan check works everywhere.
+
+It watches only when the parent is make, or when asked (``always``: the launcher's ``--watch-parent``, or
+``FLEET_WATCH_PARENT=1``). Any other parent may end on purpose while the launcher goes on: a script that starts
+the product in the background and exits, a shell's ``nohup ... &``, a service manager's wrapper; stopping the
+product then would surprise (it did, issue 50).
 """
 
 from __future__ import annotations
@@ -51,20 +56,23 @@ def process_name(pid: int) -> str:
 
 
 class ParentWatch:
-    """Calls ``on_gone(reason)`` once when the parent process dies or, if it is make, is dying of a signal."""
+    """Calls ``on_gone(reason)`` once when the parent process dies or, if it is make, is dying of a signal. Only
+    when the parent is make, or ``always`` (otherwise ``watching`` is false and it does nothing)."""
 
     interval = 0.5
 
-    def __init__(self, on_gone: Callable[[str], None]):
+    def __init__(self, on_gone: Callable[[str], None], *, always: bool = False):
         self.on_gone = on_gone
         self.parent = os.getppid()
         self.is_make = process_name(self.parent) in MAKE_NAMES
+        self.watching = self.is_make or always
         self.watched = caught_signals(self.parent) & set(TERMINATING) if self.is_make else frozenset()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="parent-watch", daemon=True)
 
     def start(self) -> ParentWatch:
-        self._thread.start()
+        if self.watching:
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -72,6 +80,8 @@ class ParentWatch:
 
     def check(self) -> str | None:
         """Why the launcher should stop now, or None."""
+        if not self.watching:
+            return None
         if os.getppid() != self.parent:
             return f"its parent process {self.parent} exited"
         if self.watched:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 import re
 
-from django.http import HttpResponse, JsonResponse
+from django.http import JsonResponse
+from django.shortcuts import render
 from django.utils.html import escape
+from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET
 
 from fleet.protocol_docs import asyncapi, components, field_rows, message_groups
@@ -25,40 +27,44 @@ def asyncapi_json(request):
 
 
 def _cell(markdown: str) -> str:
-    """A reference cell (backticks and ``[Name](#name)`` links) as HTML."""
-    text = escape(markdown)
+    """A reference cell (backticks and ``[Name](#name)`` links) as HTML: a markdown table's escaped ``\\|`` is a
+    plain ``|`` here, and a long identifier may wrap after its underscores (``<wbr>``), never inside a word."""
+    text = escape(markdown.replace("\\|", "|"))
     text = re.sub(r"\[([A-Za-z0-9]+)\]\(#([a-z0-9]+)\)", r'<a href="#\2">\1</a>', text)
-    return re.sub(r"`([^`]*)`", r"<code>\1</code>", text)
+    text = re.sub(r"`([^`]*)`", lambda code: "<code>" + code.group(1).replace("_", "_<wbr>") + "</code>", text)
+    return text
+
+
+COLUMNS = ("field", "type", "required", "bounds", "meaning")
 
 
 @functools.cache
-def _page() -> str:
+def _groups() -> list[dict]:
+    """The message groups with each model's rows as HTML cells (built once: the document never changes)."""
     schemas = components()
-    parts = [
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Device protocol</title>",
-        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        "<style>body{font-family:system-ui,sans-serif;margin:1.5rem;max-width:72rem}table{border-collapse:collapse;"
-        "width:100%;margin-bottom:1.5rem}td,th{border:1px solid #ccc;padding:.3rem .5rem;text-align:left;"
-        "vertical-align:top;overflow-wrap:anywhere}code{font-size:.9em}</style></head><body>",
-        "<h1>Device protocol</h1><p>Every message of the agent socket and the device REST payloads. "
-        "Machine-readable: <a href='/api/protocol/asyncapi.json'>AsyncAPI 3</a>; the REST API: "
-        "<a href='/api/docs/'>OpenAPI</a>. The specification is docs/protocol/README.md in the repository.</p>",
+    return [
+        {
+            "title": title,
+            "models": [
+                {
+                    "name": model.__name__,
+                    "anchor": model.__name__.lower(),
+                    "rows": [
+                        [
+                            {"label": label, "html": mark_safe(_cell(cell))}  # noqa: S308 (escaped by _cell)
+                            for label, cell in zip(COLUMNS, (f"`{row[0]}`", *row[1:]), strict=True)
+                        ]
+                        for row in field_rows(schemas[model.__name__])
+                    ],
+                }
+                for model in models
+            ],
+        }
+        for title, models in message_groups()
     ]
-    for title, models in message_groups():
-        parts.append(f"<h2>{escape(title)}</h2>")
-        for model in models:
-            name = model.__name__
-            parts.append(f"<h3 id='{name.lower()}'>{name}</h3><table><tr><th>field</th><th>type</th>"
-                         "<th>required</th><th>bounds</th><th>meaning</th></tr>")  # fmt: skip
-            for row in field_rows(schemas[name]):
-                parts.append(
-                    "<tr>" + "".join(f"<td>{_cell(cell)}</td>" for cell in (f"`{row[0]}`", *row[1:])) + "</tr>"
-                )
-            parts.append("</table>")
-    parts.append("</body></html>")
-    return "".join(parts)
 
 
 @require_GET
 def protocol_page(request):
-    return HttpResponse(_page())
+    """The protocol's messages as tables, in the dashboard's page (its navigation for a signed-in user)."""
+    return render(request, "frontend/protocol.html", {"groups": _groups(), "columns": COLUMNS})

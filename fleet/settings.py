@@ -171,10 +171,14 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Outermost: under ASGI every streamed response (static files, artifact downloads) gets an async iterator.
+    "fleet.asgi_streaming.AsyncStreamingMiddleware",
     "fleet.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Above CommonMiddleware: its slash redirect comes first; any other 404 under /api/ gets the error body.
+    "core.api.errors.ApiNotFoundMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",

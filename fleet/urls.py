@@ -1,12 +1,30 @@
+from pathlib import Path
+
 from django.contrib import admin
+from django.http import HttpResponse
 from django.urls import include, path
+from django.views.decorators.http import require_safe
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+import frontend
 from core import health
 from core.api.errors import json_not_found, json_server_error
 from fleet import metrics, protocol_views
 
+# The dashboard's icon as browsers ask for it by default (/favicon.ico: the API docs, a JSON page, a tab before any
+# page linked it); the dashboard's pages link it and its SVG beside it (frontend/templates/frontend/base.html).
+FAVICON = Path(frontend.__file__).resolve().parent / "static" / "frontend" / "favicon.ico"
+
+
+@require_safe
+def favicon(request):
+    response = HttpResponse(FAVICON.read_bytes(), content_type="image/x-icon")
+    response["Cache-Control"] = "public, max-age=86400"
+    return response
+
+
 urlpatterns = [
+    path("favicon.ico", favicon, name="favicon"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", metrics.metrics, name="metrics"),

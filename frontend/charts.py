@@ -106,6 +106,9 @@ def line_chart(title: str, series: list[tuple[int, float]], *, x_label: str = "v
 
 @dataclass
 class BarChart(_Frame):
+    """``width`` and ``right`` may be narrower than the frame's for a few bars (``hourly_bar_chart``); the
+    template then caps the picture at ``max_px``, the frame's scale, so it stays as tall as the others."""
+
     title: str
     bars: list[dict] = field(default_factory=list)  # {x, y, h, y_bad, h_bad, width, label, total, bad}
     y_max: int = 0
@@ -116,10 +119,16 @@ class BarChart(_Frame):
     def empty(self) -> bool:
         return self.total == 0
 
+    @property
+    def max_px(self) -> int | None:
+        """The widest a narrowed chart is drawn (CSS px): at the 260 px tallest any chart is; None when full."""
+        return None if self.width == WIDTH else round(self.width * 260 / HEIGHT)
+
 
 def hourly_bar_chart(title: str, buckets: list[dict]) -> BarChart:
     """Stacked bars per hour: accepted/other below, rejected on top (``buckets`` from
-    ``selectors.deltas_per_hour``)."""
+    ``selectors.deltas_per_hour``, usually cut to the hours with data by ``selectors.data_span``); at least
+    eight bar widths across, so two busy hours are two slim bars at the left, not two slabs."""
     chart = BarChart(title=title)
     if not buckets:
         return chart
@@ -127,7 +136,11 @@ def hourly_bar_chart(title: str, buckets: list[dict]) -> BarChart:
     chart.y_max = math.ceil(nice_ceiling(max(1, max(b["total"] for b in buckets))))  # from 0 to a round top
     plot_w = WIDTH - PAD_LEFT - PAD_RIGHT
     plot_h = HEIGHT - PAD_TOP - PAD_BOTTOM
-    slot = plot_w / len(buckets)
+    slot = plot_w / max(len(buckets), 8)  # a few busy hours are a few bars, not bars as wide as the card
+    if len(buckets) < 8:  # and the picture is only as wide as they are: no card-wide stretch of nothing
+        chart.width = round(PAD_LEFT + PAD_RIGHT + slot * max(len(buckets), 2), 1)
+        chart.right = chart.width - PAD_RIGHT
+    every = max(1, math.ceil(len(buckets) / 6))  # about six hour labels, whatever the span
     for index, bucket in enumerate(buckets):
         h_total = bucket["total"] / chart.y_max * plot_h
         h_bad = bucket["rejected"] / chart.y_max * plot_h
@@ -145,6 +158,6 @@ def hourly_bar_chart(title: str, buckets: list[dict]) -> BarChart:
                 "bad": bucket["rejected"],
             }
         )
-        if index % 4 == 0 or index == len(buckets) - 1:
+        if index % every == 0 and len(buckets) - index >= every / 2 or index == len(buckets) - 1:
             chart.x_ticks.append({"x": round(x + slot * 0.4, 1), "label": bucket["hour"].strftime("%H:00")})
     return chart

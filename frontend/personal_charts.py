@@ -68,12 +68,28 @@ def accuracy_chart(title: str, reports: list) -> PairChart:
         chart.series.append(Series(name, kind, "M" + " L".join(f"{p['x']},{p['y']}" for p in points), points))
     chart.y_ticks = [{"y": sy(y_min + step * i), "label": f"{y_min + step * i}%"} for i in range(5)]
     ticks = [t_min] if t_max == t_min else [t_min + (t_max - t_min) * i / 4 for i in range(5)]
-    chart.x_ticks = [
-        {"x": sx(t), "label": datetime.fromtimestamp(t, UTC).strftime("%m-%d %H:%M"), "anchor": "middle"} for t in ticks
-    ]
+    fmt = _time_format(t_min, t_max)
+    for t in ticks:
+        label = datetime.fromtimestamp(t, UTC).strftime(fmt)
+        if not chart.x_ticks or chart.x_ticks[-1]["label"] != label:  # never the same moment twice
+            chart.x_ticks.append({"x": sx(t), "label": label, "anchor": "middle", "minor": False})
+    for index, tick in enumerate(chart.x_ticks):  # on a phone only the first, the middle and the last
+        tick["minor"] = len(chart.x_ticks) > 3 and index % 2 == 1
     if len(chart.x_ticks) > 1:  # the outer labels end at the plot's edges rather than past the picture's
         chart.x_ticks[0]["anchor"], chart.x_ticks[-1]["anchor"] = "start", "end"
     return chart
+
+
+def _time_format(t_min: float, t_max: float) -> str:
+    """Labels as short as the span allows and as fine as it needs: seconds within ten minutes, hours and
+    minutes within a day, the date beyond (``11-29 00:13`` five times over is no axis)."""
+    span = t_max - t_min
+    first, last = (datetime.fromtimestamp(t, UTC).date() for t in (t_min, t_max))
+    if span < 600:
+        return "%H:%M:%S" if first == last else "%m-%d %H:%M:%S"
+    if span < 86400:
+        return "%H:%M" if first == last else "%m-%d %H:%M"
+    return "%m-%d %H:%M" if span < 4 * 86400 else "%Y-%m-%d"
 
 
 def _percent_axis(low: float, high: float) -> tuple[int, int]:

@@ -6,15 +6,26 @@ the event sentences (``frontend.event_text``) use these; nothing here touches th
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 # A metric whose name holds one of these and whose value is in [0, 1] is a fraction: shown as a percent.
 FRACTION_WORDS = ("accuracy", "precision", "recall", "f1", "fraction", "failure_rate", "acceptance_rate")
 
 
+# A metric named for a gain in accuracy (``personal_gain``: personal minus shared accuracy, a difference of two
+# fractions) is shown in accuracy points, as the personalization pages show gains: 0.304 is +30.4 points.
+POINTS_WORDS = ("gain", "accuracy_change")
+
+
 def is_fraction(key: str) -> bool:
     key = key.lower()
-    return any(word in key for word in FRACTION_WORDS)
+    return any(word in key for word in FRACTION_WORDS) and not is_points(key)
+
+
+def is_points(key: str) -> bool:
+    key = key.lower()
+    return any(word in key for word in POINTS_WORDS)
 
 
 def number(value: Any, key: str = "") -> str:
@@ -31,6 +42,8 @@ def number(value: Any, key: str = "") -> str:
             return "NaN"
         if math.isinf(value):
             return "∞" if value > 0 else "−∞"
+        if key and is_points(key) and -1 <= value <= 1:
+            return f"{value * 100:+.1f} points" if round(value * 100, 1) else "0.0 points"
         if key and is_fraction(key) and 0 <= value <= 1:
             return f"{value * 100:.1f}%"
         if abs(value) >= 1000 or (value.is_integer() and abs(value) < 1e15):
@@ -47,20 +60,49 @@ def words(key: str) -> str:
 def value_text(value: Any, key: str = "") -> str:
     """A detail value: numbers through ``number``, lists and dicts spelled out, text as it is."""
     if isinstance(value, dict):
-        return "{" + detail_text(value, limit=0) + "}"
+        return "(" + detail_text(value, limit=0, separator="; ") + ")" if value else "none"
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(value_text(item, key) for item in value) + "]"
-    if value is None:
+        return ", ".join(value_text(item, key) for item in value) if value else "none"
+    if value is None or value == "":
         return "none"
     return number(value, key)
 
 
-def detail_text(detail: Any, limit: int = 140) -> str:
-    """A detail dict on one line, ``name value, ...``, cut at ``limit`` characters (0: never)."""
+def detail_text(detail: Any, limit: int = 140, separator: str = "; ") -> str:
+    """A detail dict on one line, ``name: value; ...`` (a nested dict in parentheses, a list comma-separated),
+    cut at a word boundary within ``limit`` characters (0: never)."""
     if not isinstance(detail, dict) or not detail:
         return ""
-    text = ", ".join(f"{words(key)} {value_text(value, str(key))}" for key, value in detail.items())
-    return text if not limit or len(text) <= limit else text[: limit - 1] + "…"
+    text = separator.join(f"{words(key)}: {value_text(value, str(key))}" for key, value in detail.items())
+    return shorten(text, limit)
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters (0: never) at the last space before it, with an ellipsis;
+    never inside a word, and without a dangling separator or an open parenthesis' comma before the cut."""
+    if not limit or len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 3:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + "…"
+
+
+_NORM_IN_MESSAGE = re.compile(r"\bnorm (?:is )?([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\b", re.IGNORECASE)
+
+
+def delta_norm(norm: Any, state: str = "", detail: str = "") -> float | None:
+    """A delta's update norm: the one verification stored, or for a delta rejected before it was stored the
+    one its message gives ("the update's L2 norm is 1.2e+06; the adapter's bound is 1000"); None if neither."""
+    if isinstance(norm, int | float) and not isinstance(norm, bool):
+        return norm
+    if state == "rejected" and detail and (found := _NORM_IN_MESSAGE.search(detail)):
+        try:
+            return float(found.group(1))
+        except ValueError:
+            return None
+    return None
 
 
 def plural(count: Any, noun: str, many: str = "") -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.pytest_plugin import RUN_ID
 from tests.conftest import ROOT, _test_database_url
 from tests.e2e.support import free_port
 
@@ -46,7 +47,7 @@ def asgi_server(name: str, tmp_root: Path, **env_overrides: str) -> Iterator[Asg
         "PYTHONUNBUFFERED": "1",
         **env_overrides,
     }
-    log_path = ROOT / "tests" / "artifacts" / f"uvicorn-{name}-{os.environ.get('FLEET_TEST_RUN_ID', 'x')}.log"
+    log_path = ROOT / "tests" / "artifacts" / f"uvicorn-{name}-{RUN_ID}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(

@@ -96,6 +96,7 @@ NOBODY = "nobody"  # the method is refused (405) whoever asks
 # Open to anyone: probes, the API's description, how a device gets its credential (an enrollment token or
 # its signature is checked inside), signing in and out.
 PUBLIC_ROUTES = {
+    "favicon",
     "healthz",
     "readyz",
     "api-schema",

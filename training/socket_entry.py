@@ -1,6 +1,7 @@
 """What the agent socket hands to the training side (``devices.socket_hooks``): the assignment and the unread
 delta results at check-in, the delta upload steps, each answered with the message the socket sends back, and
-the device's acknowledgements of the commands it was sent."""
+the device's acknowledgements of the commands it was sent, and its users' feedback counts (rollout guard
+metrics)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from training.federation.events import delta_result_command
 from training.federation.intake import UploadRefused, upload_abort, upload_append, upload_begin
 from training.models import Assignment, Delta
 from training.rollouts.delivery import assignment_message, current_assignment
+from training.rollouts.feedback import assignment_feedback_record
 from training.rollouts.joining import assignment_at_check_in
 
 # The stable ids of the commands a device acknowledges: ``delta-<id>`` (delta_result), ``assignment-<id>``.
@@ -84,3 +86,8 @@ class TrainingSocketEntry:
 
     def upload_abort(self, device, sha256: str) -> tuple[str, dict]:
         return _answer(lambda: upload_abort(device=device, sha256=sha256))
+
+    def feedback_reported(self, device, feedback: dict) -> None:
+        """Changed feedback counts: the correction metrics of the rollout assignment that installed the version
+        (``training.rollouts.feedback``), which its guards read at the next tick."""
+        assignment_feedback_record(device=device, feedback=feedback)

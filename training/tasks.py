@@ -28,7 +28,8 @@ from training.federation.verification import delta_verify
 from training.federation.verify_queue import shard_drain
 from training.models import AdapterVersion, Rollout
 from training.registry.blobs import blob_parts_sweep
-from training.rollouts.lifecycle import rollout_tick, round_result_release
+from training.rollouts.automatic import round_result_release
+from training.rollouts.lifecycle import rollout_tick
 from training.selectors import deltas_awaiting_rescue
 
 # PostgreSQL or Redis away for a moment (a restart, "too many clients"): verification and aggregation tasks are

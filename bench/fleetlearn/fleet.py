@@ -10,6 +10,11 @@ application hands them again and again as the demo's own source does (``Simulate
 multiple of ``SPLIT_EVERY`` so a sample keeps its slice, a little fresh pixel noise on a repeat): a user who
 keeps writing the same digits; without it, once. A device with fewer than ``SPLIT_EVERY`` samples hands them
 once.
+
+With ``correct`` (``fleet_learning.py --feed feedback``) the application hands no labelled sample: it asks the
+served model (``Agent.predict``) about each sample as its user writes it, and the user corrects a wrong answer with
+probability ``correct`` (``Agent.feedback`` with the right label) and says nothing otherwise; each batch, the served
+model's accuracy on the device's TEST set is recorded in ``curve`` (the benchmark's eyes only).
 """
 
 from __future__ import annotations
@@ -20,16 +25,19 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from bench.fleetlearn.measure import as_tensors
 from bench.fleetlearn.split import DeviceData
 from edge_agent.api import Agent, NotReady
-from edge_agent.assignments import AssignmentHandler
+from edge_agent.assignments import AdapterStore, AssignmentHandler
 from edge_agent.connection import AgentConnection, Backoff
 from edge_agent.enroll import enroll
+from edge_agent.families import get_family
 from edge_agent.identity import STATE_FILE, AgentState, load_or_create_key
 from edge_agent.rest import DeviceSession
 from edge_agent.runtime import AgentConfig, DeviceRuntime
@@ -53,6 +61,12 @@ class FleetDevice:
     uploads: int = 0
     discarded: int = 0
     failures: int = 0
+    correct: float | None = None  # feedback alone: the share of wrong answers the user corrects
+    answers: int = 0
+    wrong: int = 0
+    corrections: int = 0
+    curve: list = field(default_factory=list)  # {"seconds", "answers", "corrections", "test_accuracy"} per batch
+    started: float = 0.0
 
     @property
     def name(self) -> str:
@@ -107,13 +121,37 @@ async def _feed(device: FleetDevice, stop: asyncio.Event, rng: random.Random) ->
         except NotReady:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
+    device.started = time.monotonic()
     while not stop.is_set():
         batch = stream.poll()
         if batch is None:
             return
-        device.handed += agent.add_samples({"x": batch["x"].clip(0.0, 1.0), "y": batch["y"]})
+        x = batch["x"].clip(0.0, 1.0)
+        if device.correct is None:
+            device.handed += agent.add_samples({"x": x, "y": batch["y"]})
+        else:
+            await asyncio.to_thread(_answer_and_correct, device, agent, x, batch["y"], rng)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=device.feed_seconds * rng.uniform(0.8, 1.5))
+
+
+def _answer_and_correct(device: FleetDevice, agent: Agent, x, truth, rng: random.Random) -> None:
+    """The user of ``--feed feedback``: sees an answer for each sample, corrects a wrong one now and then."""
+    answer = agent.predict({"x": x})
+    for answer_id, said, right in zip(answer["ids"], answer["labels"], truth.tolist(), strict=True):
+        device.answers += 1
+        if said != right:
+            device.wrong += 1
+            if rng.random() < device.correct:
+                agent.feedback(answer_id, int(right))
+                device.corrections += 1
+                device.handed += 1
+    model, _ = agent.served()
+    family = get_family(AdapterStore(device.home).state()["current"]["training"]["family"])
+    with torch.no_grad():
+        accuracy = float(family.evaluate(model.eval(), as_tensors(device.data.test))["accuracy"])
+    device.curve.append({"seconds": round(time.monotonic() - device.started, 1), "answers": device.answers,
+                         "corrections": device.corrections, "test_accuracy": accuracy})  # fmt: skip
 
 
 async def run_device(device: FleetDevice, server: str, token: str, stop: asyncio.Event, gate: threading.Semaphore):

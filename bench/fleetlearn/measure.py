@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from edge_agent.api import Agent
 from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.families import get_family
+from edge_agent.personal import PersonalSettings, PersonalStore, derive, misread_labels
 from edge_agent.training import TrainConfig, train_adapter
 
 FINETUNE = {"epochs": 50, "lr": 0.01, "micro_batch": 16, "patience": 5, "refit": True}
@@ -94,6 +95,33 @@ class Models:
             model = self.build(start)
         return model.eval(), {"best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
                               "discarded": result.discarded, "val_samples": int(val_mask.sum())}  # fmt: skip
+
+
+def both_models(home: Path, models: Models, test: dict, held: dict) -> dict:
+    """The two models the device chose between, each on its TEST set (``shared_model``: the installed version,
+    ``personal_model``: its own adapter, None if it has none), what its last pass judged by on its held slice
+    (``choice``: the accuracies and paired counts), and the classes of the samples it holds that the installed
+    version reads as something else more than half the time (``misread``): what a serving rule is judged on."""
+    state = AdapterStore(home).state().get("current") or {}
+    if not state.get("path"):
+        return {}
+    shared_tensors = load_file(state["path"])
+    shared = models.build(shared_tensors)
+    store = PersonalStore(home)
+    personal_state, tensors = store.state(), store.tensors()
+    personal = None
+    if tensors is not None and personal_state.get("adapter") == state.get("adapter"):
+        if personal_state.get("method") == "private_modules":
+            tensors = derive(shared_tensors, tensors, PersonalSettings.from_training(state["training"]))
+        personal = models.accuracy(models.build(tensors), test)
+    keys = ("version", "serving", "shared_accuracy", "personal_accuracy", "val_samples", "shared_only_right",
+            "personal_only_right")  # fmt: skip
+    return {
+        "shared_model": models.accuracy(shared, test),
+        "personal_model": personal,
+        "choice": {key: personal_state.get(key) for key in keys},
+        "misread": misread_labels(shared.eval(), as_tensors(held)) if len(held["y"]) else [],
+    }
 
 
 def served(home: Path) -> tuple[torch.nn.Module, dict]:

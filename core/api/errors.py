@@ -6,6 +6,7 @@ context. Clients never have to guess between DRF's several default shapes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
@@ -15,6 +16,8 @@ from rest_framework.response import Response
 from rest_framework.settings import api_settings
 
 from core.errors import Conflict, DomainError, Forbidden, Invalid, NotFound, TooLarge, TooMany, Unauthenticated
+
+logger = logging.getLogger("core.api")
 
 # Each kind of domain refusal and its HTTP status: the one place where services' errors meet HTTP.
 DOMAIN_STATUS: dict[type[DomainError], int] = {
@@ -80,6 +83,11 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         response = Response(error_body(exc.code, exc.message, exc.details), status=domain_status(exc))
         if isinstance(exc, TooMany) and isinstance(exc.details.get("retry_after"), int):
             response["Retry-After"] = str(exc.details["retry_after"])  # a per-caller limit says when to come back
+        if exc.expected:  # a race the protocol allows: not the warning Django logs for every 4xx (django.request)
+            response._has_been_logged = True
+            request = context.get("request")
+            logger.info("%s %s: %s (%s)", getattr(request, "method", "?"), getattr(request, "path", "?"),
+                        exc.message, exc.code)  # fmt: skip
         return response
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
@@ -117,6 +125,29 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
 
 def json_not_found(request, exception=None) -> JsonResponse:
     return JsonResponse(error_body("not_found", _MESSAGES["not_found"]), status=status.HTTP_404_NOT_FOUND)
+
+
+class ApiNotFoundMiddleware:
+    """Every 404 under ``/api/`` has the error body, whoever made it.
+
+    Django answers a URL that resolves to nothing (``/api/v1/no-such-thing/``) with its own page: the project's
+    ``handler404`` only when ``DEBUG`` is off, Django's HTML debug page when it is on (as in development), and an
+    ``Http404`` raised outside DRF the same way. This turns any 404 under ``/api/`` that is not already an API
+    response into ``json_not_found``. It sits above ``CommonMiddleware``, so a path missing its trailing slash is
+    still redirected to the one with it first (``APPEND_SLASH``)."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        if response.status_code == status.HTTP_404_NOT_FOUND and request.path_info.startswith("/api/"):
+            is_api_response = isinstance(response, Response) or response.get("Content-Type", "").startswith(
+                "application/json"
+            )
+            if not is_api_response:
+                return json_not_found(request)
+        return response
 
 
 def json_server_error(request) -> JsonResponse:

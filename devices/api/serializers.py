@@ -3,10 +3,12 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from core.api.serializers import StrictTypesMixin, VisibleCharField, refuse_control_characters
+from devices.feedback import MIN_ANSWERS, device_feedback
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken, PersonalizationReport
 from devices.personalization import EARLIEST_MEASUREMENT, MAX_SAMPLES, SERVING
 from devices.presence import MAX_METRICS
 from edge_agent.protocol import PERSONALIZATION_METHODS as METHODS
+from edge_agent.wire import MAX_COUNT
 
 
 class CohortSerializer(StrictTypesMixin, serializers.ModelSerializer):
@@ -43,7 +45,13 @@ class EnrollmentTokenSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "usable",
         ]
         read_only_fields = ["id", "prefix", "created_by", "created_at", "revoked_at", "usable"]
-        extra_kwargs = {"uses_left": {"min_value": 1, "help_text": "Omit or null for unlimited until expiry."}}
+        extra_kwargs = {
+            "uses_left": {"min_value": 1, "help_text": "Omit or null for unlimited until expiry."},
+            "expires_at": {
+                "required": False,
+                "help_text": "When the token stops being usable; omit for 7 days from now (ENROLLMENT_TOKEN_LIFETIME).",
+            },
+        }
 
     def get_usable(self, token) -> bool:
         return (
@@ -89,12 +97,38 @@ class LabelsField(serializers.JSONField):
     """A device's labels; DeviceSerializer.validate_labels holds them to the documented shape."""
 
 
+class VersionFeedbackSerializer(serializers.Serializer):
+    version = serializers.IntegerField()
+    confirmed = serializers.IntegerField(help_text="answers its users confirmed")
+    corrected = serializers.IntegerField(help_text="answers its users corrected")
+    answered = serializers.IntegerField(help_text="confirmed + corrected")
+    correction_rate = serializers.FloatField(
+        allow_null=True, help_text=f"corrected / answered; null below {MIN_ANSWERS} answers (too few for a rate)"
+    )
+    note = serializers.CharField(help_text="why there is no rate, when there is none")
+
+
+class DeviceFeedbackSerializer(serializers.Serializer):
+    adapter = serializers.CharField()
+    current = VersionFeedbackSerializer(help_text="the version installed at the report")
+    previous = VersionFeedbackSerializer(allow_null=True, help_text="the version it ran before, if any")
+    feedback_samples = serializers.IntegerField(help_text="labelled samples stored from its users' feedback")
+    samples = serializers.IntegerField(help_text="labelled samples it held when the counts last changed")
+    unlabeled_samples = serializers.IntegerField(
+        allow_null=True, help_text="unlabeled samples it held then; null when its agent does not report them"
+    )
+    reported_at = serializers.DateTimeField(help_text="when the counts last changed")
+
+
 class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
     name = VisibleCharField(max_length=100)
     cohort = serializers.SlugRelatedField(slug_field="name", queryset=Cohort.objects.all())
     labels = LabelsField(required=False)
     running_version = VersionRefSerializer(read_only=True, allow_null=True)
     desired_version = VersionRefSerializer(read_only=True, allow_null=True)
+    feedback = serializers.SerializerMethodField(
+        help_text="what its users said of its answers (their heartbeat's feedback counts); null before a report"
+    )
 
     class Meta:
         model = Device
@@ -120,8 +154,14 @@ class DeviceSerializer(StrictTypesMixin, serializers.ModelSerializer):
             "uploads_refused",
             "upload_refused_at",
             "upload_refused_code",
+            "feedback",
         ]
         read_only_fields = [f for f in fields if f not in ("name", "cohort", "labels")]
+
+    @extend_schema_field(DeviceFeedbackSerializer(allow_null=True))
+    def get_feedback(self, device) -> dict | None:
+        report = device_feedback(device)
+        return None if report is None else DeviceFeedbackSerializer(report).data
 
     def validate_labels(self, value):
         if not isinstance(value, dict) or len(value) > 32:
@@ -233,9 +273,35 @@ class HeartbeatPersonalSerializer(serializers.Serializer):
     personal_accuracy = serializers.FloatField(min_value=0, max_value=1)
     val_samples = serializers.IntegerField(min_value=0, max_value=MAX_SAMPLES)
     trained_samples = serializers.IntegerField(min_value=0, max_value=MAX_SAMPLES)
+    shared_only_right = serializers.IntegerField(
+        min_value=0, max_value=MAX_SAMPLES, required=False, allow_null=True,
+        help_text="distinct held samples the shared version gets right and the personal model wrong",
+    )  # fmt: skip
+    personal_only_right = serializers.IntegerField(
+        min_value=0, max_value=MAX_SAMPLES, required=False, allow_null=True,
+        help_text="distinct held samples the personal model gets right and the shared version wrong",
+    )  # fmt: skip
     updated_at = serializers.FloatField(
         min_value=EARLIEST_MEASUREMENT, help_text="when it was measured, epoch seconds; at most a day ahead"
     )
+
+
+class HeartbeatVersionFeedbackSerializer(serializers.Serializer):
+    version = serializers.IntegerField(min_value=1, max_value=2**31 - 1)
+    confirmed = serializers.IntegerField(min_value=0, max_value=MAX_COUNT)
+    corrected = serializers.IntegerField(min_value=0, max_value=MAX_COUNT)
+
+
+# Documents what devices.feedback.parse_feedback reads.
+class HeartbeatFeedbackSerializer(serializers.Serializer):
+    adapter = serializers.RegexField(r"^[-a-zA-Z0-9_]{1,64}$", max_length=64)
+    current = HeartbeatVersionFeedbackSerializer(help_text="the version installed now")
+    previous = HeartbeatVersionFeedbackSerializer(
+        required=False, allow_null=True, help_text="the version it ran before the current one, if any"
+    )
+    feedback_samples = serializers.IntegerField(min_value=0, max_value=MAX_COUNT)
+    samples = serializers.IntegerField(min_value=0, max_value=MAX_COUNT)
+    unlabeled_samples = serializers.IntegerField(min_value=0, max_value=MAX_COUNT, required=False, allow_null=True)
 
 
 # Documents the body devices.presence.parse_heartbeat reads (the socket's heartbeat has the same fields).
@@ -252,6 +318,12 @@ class DeviceHeartbeatSerializer(serializers.Serializer):
         allow_null=True,
         help_text="The device's own model against the shared version, on its held-out local data; a new "
         "measurement (a newer updated_at) is stored once.",
+    )
+    feedback = HeartbeatFeedbackSerializer(
+        required=False,
+        allow_null=True,
+        help_text="Answers its users confirmed and corrected, of the version installed now and the one before; "
+        "stored when the counts change.",
     )
 
 
@@ -277,6 +349,8 @@ class PersonalizationReportSerializer(serializers.ModelSerializer):
             "interval_points",
             "val_samples",
             "trained_samples",
+            "shared_only_right",
+            "personal_only_right",
             "measured_at",
             "received_at",
         ]

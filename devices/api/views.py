@@ -32,6 +32,7 @@ from devices.api.serializers import (
     TokenResponseSerializer,
 )
 from devices.authentication import DeviceTokenAuthentication, IsDevice
+from devices.feedback import feedback_report_record
 from devices.filters import DeviceFilterSet
 from devices.identity import NONCE_TTL_SECONDS, rest_challenge_create, rest_token_issue
 from devices.models import Cohort, EnrollmentToken
@@ -81,7 +82,7 @@ class EnrollmentTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, v
         issued = enrollment_token_create(
             cohort=data.validated_data["cohort"],
             name=data.validated_data["name"],
-            expires_at=data.validated_data["expires_at"],
+            expires_at=data.validated_data.get("expires_at"),  # the service's default when left out
             uses=data.validated_data.get("uses_left"),
             requires_approval=data.validated_data.get("requires_approval", True),
             created_by=request.user,
@@ -282,7 +283,11 @@ class DeviceHeartbeatView(_DeviceSelfView):
         except ValueError as exc:
             raise ValidationError({"heartbeat": [str(exc)]}) from None
         device_id = str(request.user.device.pk)
-        if presence.record_heartbeat_sync(device_id, state):  # a new personal measurement: store it
+        new = presence.record_heartbeat_sync(device_id, state)
+        if "personal" in new:  # a new personal measurement: store it
             personal_report_record(device_id=device_id, personal=state["personal"])
             presence.mark_personal_sync(device_id, state["personal"]["updated_at"])
+        if "feedback" in new:  # changed feedback counts
+            feedback_report_record(device_id=device_id, feedback=state["feedback"])
+            presence.mark_feedback_sync(device_id, state["feedback"])
         return Response(status=status.HTTP_204_NO_CONTENT)

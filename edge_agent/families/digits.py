@@ -83,7 +83,7 @@ class DigitsCNN:
     name = "digits-cnn"
     # Every convolution and the hidden layer at rank 16 (6,938 numbers with the head, 27 KiB a float32 delta): a
     # sensor unlike the fleet's is learned in the first layers, which rank 4 on conv2 and fc1 could not reach
-    # (bench/README.md, "The default adapter's shape").
+    # (bench/README.md as of 9a8d7eb, "The default adapter's shape").
     default_targets = ("conv1", "conv2", "fc1")
     default_modules_to_save = ("head",)
     default_rank, default_alpha = 16, 32.0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from django.core.paginator import Page, Paginator
 from django.db.models import Count, OuterRef, QuerySet, Subquery
-from django.db.models.functions import Coalesce, Now
+from django.db.models.functions import Coalesce
 
 from training.models import Delta, Round
+from training.selectors import rejected_meanwhile_count, rejected_while_collecting
+
+__all__ = ["rejected_while_collecting"]  # the round pages' reads import it from here
 
 DEVICES_PER_PAGE = 50
 ROUNDS_PER_PAGE = 50
@@ -34,15 +37,6 @@ def _counted(rows: QuerySet, group: str) -> Coalesce:
     return Coalesce(Subquery(rows.order_by().values(group).annotate(n=Count("*")).values("n")), 0)
 
 
-def rejected_while_collecting(adapter, opened, closed) -> QuerySet:
-    """The deltas for a round's adapter that were received while it collected (from ``opened`` to ``closed``)
-    and rejected. A rejected delta never joins a round, only accepted ones do: this is what "rejected" means
-    for a round. Takes values, or ``OuterRef`` expressions for a subquery per round (``_round_rows``)."""
-    return Delta.objects.filter(
-        adapter=adapter, state=Delta.State.REJECTED, received_at__gte=opened, received_at__lt=closed
-    )
-
-
 def paginate(queryset: QuerySet, page_number, per_page: int) -> Page:
     """A page of ``queryset`` (two queries: the count and the rows); a bad page number gives the nearest page."""
     return Paginator(queryset, per_page).get_page(page_number)
@@ -51,14 +45,11 @@ def paginate(queryset: QuerySet, page_number, per_page: int) -> Page:
 def _round_rows() -> QuerySet:
     """Rounds with their accepted deltas and the adapter's deltas rejected while they collected
     (``rejected_meanwhile``), newest first (the overview and the rounds pages)."""
-    meanwhile = rejected_while_collecting(
-        OuterRef("adapter"), OuterRef("created_at"), Coalesce(OuterRef("closed_at"), Now())
-    )
     return (
         Round.objects.select_related("adapter", "base_version", "result_version")
         .annotate(
             accepted=_count_of(Delta, "round", state__in=(Delta.State.ACCEPTED, Delta.State.AGGREGATED)),
-            rejected_meanwhile=_counted(meanwhile, "adapter"),
+            rejected_meanwhile=rejected_meanwhile_count(),
         )
         .order_by("-created_at", "-id")
     )

@@ -24,10 +24,22 @@ class DeviceDetail:
     deltas: list[Delta]
     delta_count: int
     events: list[DeviceEvent]
-    assignments: list[Assignment]
+    assignments: list[Assignment]  # the newest ``assignments`` of them
+    assignment_count: int = 0  # in all
+    rejected_by_code: list[dict] | None = None  # the device's rejected deltas: [{"rejection_code", "n"}], most first
+
+    @property
+    def rejected_count(self) -> int:
+        return sum(row["n"] for row in self.rejected_by_code or ())
 
 
-def device_detail(device_id, *, deltas: int = 50, events: int = 50, assignments: int = 20) -> DeviceDetail | None:
+ASSIGNMENTS_SHOWN = 5  # the device page's versions table: the newest few, and a link to the rest
+ASSIGNMENTS_LIMIT = 200  # the rest, at most
+
+
+def device_detail(
+    device_id, *, deltas: int = 50, events: int = 50, assignments: int = ASSIGNMENTS_SHOWN
+) -> DeviceDetail | None:
     device = (
         Device.objects.select_related("cohort", "running_version__adapter", "desired_version__adapter", "enrolled_with")
         .filter(pk=device_id)
@@ -41,6 +53,13 @@ def device_detail(device_id, *, deltas: int = 50, events: int = 50, assignments:
         delta_count=device.deltas.count(),
         events=list(device.events.all()[:events]),
         assignments=list(device.assignments.select_related("version__adapter", "rollout")[:assignments]),
+        assignment_count=device.assignments.count(),
+        rejected_by_code=list(
+            device.deltas.filter(state=Delta.State.REJECTED)
+            .values("rejection_code")
+            .annotate(n=Count("id"))
+            .order_by("-n", "rejection_code")
+        ),
     )
 
 

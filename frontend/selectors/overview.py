@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Q
+from django.db.models import Count, Max, Q
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -16,7 +16,7 @@ from frontend.selectors.common import (
     RECENT_ACTIVITY,
     _round_rows,
 )
-from training.models import Delta, Round, TrainingEvent
+from training.models import AdapterVersion, Delta, Round, TrainingEvent
 
 # --- fleet overview ------------------------------------------------------------------------------------------
 
@@ -83,6 +83,24 @@ def deltas_per_hour(hours: int = 24, now: datetime | None = None) -> list[dict]:
     return buckets
 
 
+def data_span(buckets: list[dict]) -> list[dict]:
+    """The buckets from the first hour with a delta to the last one (none when no hour has one): the chart
+    spends its width on the hours with traffic, not on a day of empty ones."""
+    busy = [index for index, bucket in enumerate(buckets) if bucket["total"]]
+    return buckets[busy[0] : busy[-1] + 1] if busy else []
+
+
+def shared_accuracy() -> list[AdapterVersion]:
+    """Per adapter, its newest released version (the shared version devices run) with the server's evaluation
+    in its ``metrics`` (one query: DISTINCT ON the adapter)."""
+    return list(
+        AdapterVersion.objects.filter(state=AdapterVersion.State.RELEASED)
+        .select_related("adapter")
+        .order_by("adapter__name", "adapter_id", "-number")
+        .distinct("adapter__name", "adapter_id")
+    )
+
+
 def rounds_in_progress(limit: int = 20) -> list[Round]:
     return list(_round_rows().filter(state__in=(Round.State.COLLECTING, Round.State.AGGREGATING))[:limit])
 
@@ -91,16 +109,24 @@ def rounds_in_progress(limit: int = 20) -> list[Round]:
 class RejectedDeltas:
     total: int
     by_code: list[dict]  # [{"rejection_code", "n"}]
-    recent: list[Delta]
+    recent: list[dict]  # per device and code, newest first: {device_id, device__name, rejection_code, n, last_at}
+    groups: int = 0  # how many device-and-code groups there are in all (``recent`` shows the newest ``limit``)
 
 
 def rejected_deltas(hours: int = 24, limit: int = 10) -> RejectedDeltas:
-    """Deltas rejected in the last ``hours``: how many by code and the newest few (two queries)."""
+    """Deltas rejected in the last ``hours``: how many by code, and per device and code how many and when the
+    last (a device that repeats one refusal is one row with its count, not ten rows); four queries."""
     since = timezone.now() - timedelta(hours=hours)
     rejected = Delta.objects.filter(state=Delta.State.REJECTED, received_at__gte=since)
     by_code = list(rejected.values("rejection_code").annotate(n=Count("id")).order_by("-n", "rejection_code"))
-    recent = list(rejected.select_related("device").order_by("-received_at", "-id")[:limit])
-    return RejectedDeltas(total=sum(row["n"] for row in by_code), by_code=by_code, recent=recent)
+    grouped = (
+        rejected.values("device_id", "device__name", "rejection_code")
+        .annotate(n=Count("id"), last_at=Max("received_at"))
+        .order_by("-last_at", "device__name", "rejection_code")
+    )
+    recent = list(grouped[:limit])
+    groups = grouped.count()  # always asked, so the page's query count does not depend on the rows
+    return RejectedDeltas(total=sum(row["n"] for row in by_code), by_code=by_code, recent=recent, groups=groups)
 
 
 @dataclass

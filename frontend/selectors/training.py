@@ -10,6 +10,7 @@ from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
 
 from devices.models import Device, DeviceStatus
+from devices.selectors import feedback_by_version
 from frontend.selectors.common import (
     CHARTED_METRICS,
     DELTAS_PER_PAGE,
@@ -93,6 +94,7 @@ class AdapterDetail:
     rounds: list[Round]
     rollouts: list[Rollout]
     truncated: bool
+    feedback: dict[int, dict]  # per version number: users' answers pooled over devices (devices.selectors)
 
 
 def adapter_detail(adapter_id: int, *, rounds: int = 10, rollouts: int = 10) -> AdapterDetail | None:
@@ -110,6 +112,7 @@ def adapter_detail(adapter_id: int, *, rounds: int = 10, rollouts: int = 10) -> 
         rounds=list(_round_rows().filter(adapter=adapter)[:rounds]),
         rollouts=list(Rollout.objects.filter(version__adapter=adapter).select_related("version", "cohort")[:rollouts]),
         truncated=truncated,
+        feedback=feedback_by_version(adapter.name),
     )
 
 
@@ -229,7 +232,9 @@ def rollout_detail(rollout_id: int, *, assignments: int = 50, events: int = 30) 
             )
         )
     devices = counts_for(rollout)
-    recent = list(TrainingEvent.objects.filter(detail__rollout=rollout.pk).select_related("version")[:events])
+    recent = list(
+        TrainingEvent.objects.filter(detail__rollout=rollout.pk).select_related("adapter", "version")[:events]
+    )
     return RolloutDetail(
         rollout=rollout,
         phases=phases,

@@ -6,6 +6,8 @@ from datetime import UTC
 
 from django import template
 from django.utils import timezone
+from django.utils.html import escape
+from django.utils.safestring import mark_safe
 
 from frontend import event_text, wording
 from frontend.forms import AdapterCohortsForm
@@ -27,9 +29,41 @@ def device_event(event, name: str) -> str:
 
 
 @register.filter
+def training_event(event) -> str:
+    """``{{ event|training_event }}``: a TrainingEvent in words (``frontend.event_text``)."""
+    adapter = event.adapter.name if event.adapter_id else ""
+    version = event.version.number if event.version_id else None
+    return event_text.training_event(event.kind, event.detail, adapter, version)
+
+
+@register.filter
+def event_details(detail, limit: int = 200) -> str:
+    """``{{ event.detail|event_details }}``: an event's details as ``name: value; ...`` without the empty ones
+    and the ids its sentence already names (``rollout``, ``round``), cut at a word boundary."""
+    if not isinstance(detail, dict):
+        return ""
+    shown = {k: v for k, v in detail.items() if k not in ("rollout", "round") and v not in (None, "", [], {})}
+    return wording.detail_text(shown, limit)
+
+
+@register.filter
 def number(value, key: str = "") -> str:
     """``{{ value|number }}``: 4.42, 12,345; ``{{ value|number:"eval_accuracy" }}``: a fraction as 93.2%."""
     return wording.number(value, key)
+
+
+@register.filter
+def delta_norm(delta) -> str:
+    """``{{ delta|delta_norm }}``: its update norm for people, from its message when it was rejected before
+    verification stored one (``wording.delta_norm``); — when there is none."""
+    return wording.number(wording.delta_norm(delta.norm, delta.state, delta.rejection_detail))
+
+
+@register.filter
+def ident(value) -> str:
+    """``<code class="ident">{{ code|ident }}</code>``: an identifier (``norm_too_large``) that may wrap after
+    its underscores and nowhere else, not ``norm_too_l`` / ``arge`` in a narrow column."""
+    return mark_safe(escape(str(value)).replace("_", "_<wbr>"))  # noqa: S308 (escaped first)
 
 
 @register.filter

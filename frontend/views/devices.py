@@ -20,6 +20,7 @@ from django.views.decorators.http import require_POST
 from accounts.permissions import role_required
 from accounts.roles import Role, has_role
 from core.errors import DomainError
+from devices.feedback import MIN_ANSWERS, device_feedback
 from devices.filters import DeviceFilterSet
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.services import cohort_create, device_transition, enrollment_token_create, enrollment_token_revoke
@@ -135,7 +136,9 @@ def device_bulk(request):
 
 @role_required(Role.VIEWER)
 def device_detail(request, pk):
-    detail = selectors.device_detail(pk)
+    every = request.GET.get("assignments") == "all"
+    limit = selectors.fleet.ASSIGNMENTS_LIMIT if every else selectors.fleet.ASSIGNMENTS_SHOWN
+    detail = selectors.device_detail(pk, assignments=limit)
     if detail is None:
         raise Http404("No such device.")
     return render(
@@ -146,7 +149,10 @@ def device_detail(request, pk):
             "device": detail.device,
             "actions": device_actions_for(request.user, detail.device),
             "protocol_1_until": settings.PROTOCOL_1_ACCEPTED_UNTIL,
+            "all_assignments": every,
             **device_personalization_context(detail.device.pk),
+            "feedback": device_feedback(detail.device),
+            "min_answers": MIN_ANSWERS,
         },
     )
 

@@ -18,7 +18,8 @@ def overview(request):
         {
             "counts": selectors.device_counts(),
             "cohort_versions": selectors.versions_in_use(),
-            "deltas_chart": hourly_bar_chart("Deltas per hour, last 24 h", selectors.deltas_per_hour()),
+            "deltas_chart": _deltas_chart(),
+            "shared": selectors.shared_accuracy(),
             "rounds": selectors.rounds_in_progress(),
             "rejected": selectors.rejected_deltas(),
             "activity": selectors.recent_activity(),
@@ -26,3 +27,13 @@ def overview(request):
             "notices": [state for state in selectors.release_states() if state.notices],
         },
     )
+
+
+def _deltas_chart():
+    """Deltas per hour over the span of the last 24 hours that had any (its first to its last busy hour)."""
+    buckets = selectors.data_span(selectors.deltas_per_hour())
+    if not buckets:
+        return hourly_bar_chart("Deltas per hour, last 24 h", buckets)
+    first, last = buckets[0]["hour"], buckets[-1]["hour"]
+    span = f"{first:%H}:00" if first == last else f"{first:%H}:00 to {last:%H}:59"
+    return hourly_bar_chart(f"Deltas per hour, {span}", buckets)

@@ -3,6 +3,8 @@ and for the fleet) and the adapter's setting, which operators change with a form
 
 from __future__ import annotations
 
+import json
+
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 
@@ -12,7 +14,7 @@ from frontend import selectors
 from frontend.forms import PersonalizationForm
 from frontend.personal_charts import accuracy_chart, gain_histogram
 from training.models import Adapter
-from training.registry.personalization_settings import personalization_settings
+from training.registry.personalization_settings import SETTINGS_BY_METHOD, personalization_settings
 from training.registry.services import adapter_set_personalization
 
 
@@ -41,9 +43,12 @@ def personalization_save(request, adapter: Adapter, form: PersonalizationForm) -
 
 def adapter_personalization_context(request, adapter: Adapter, form: PersonalizationForm) -> dict:
     figures = selectors.adapter_personalization(adapter.pk)
+    setting = personalization_settings(adapter)
     return {
         "personal": figures,
-        "personal_setting": personalization_settings(adapter),
+        "personal_setting": setting,
+        "personal_uses": SETTINGS_BY_METHOD[setting["method"]],
+        "personal_uses_by_method": json.dumps(SETTINGS_BY_METHOD),  # the form greys out what a method leaves unused
         "gain_chart": gain_histogram("Devices by gain of their own model, in points", figures["fleet"]["histogram"]),
         "personalization_form": form if has_role(request.user, Role.OPERATOR) else None,
     }

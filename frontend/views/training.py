@@ -39,6 +39,7 @@ from training.rollouts.lifecycle import (
 )
 
 METRIC_TITLES = {"eval_accuracy": "Evaluation accuracy", "eval_loss": "Evaluation loss"}
+LINEAGE_SHOWN = 10  # versions in the adapter page's lineage until "show all" (``?versions=all``)
 
 
 @role_required(Role.VIEWER)
@@ -58,7 +59,9 @@ def adapters(request):
 
 @role_required(Role.VIEWER)
 def adapter_detail(request, pk: int):
-    """The adapter; a POST (operators) changes its personalization setting."""
+    """The adapter: its state, then its settings (each form with them), its devices' own models, its history
+    (the lineage's newest ``LINEAGE_SHOWN`` versions, all with ``?versions=all``); a POST (operators) changes its
+    personalization setting."""
     detail = selectors.adapter_detail(pk)
     if detail is None:
         raise Http404("No such adapter.")
@@ -74,6 +77,8 @@ def adapter_detail(request, pk: int):
             "d": detail,
             "adapter": detail.adapter,
             "charts": charts,
+            "lineage": detail.lineage if request.GET.get("versions") == "all" else detail.lineage[:LINEAGE_SHOWN],
+            "lineage_shown": LINEAGE_SHOWN,
             "can_export": has_role(request.user, Role.OPERATOR),
             "release": release,
             "release_form": ReleaseSettingsForm(

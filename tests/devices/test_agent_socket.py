@@ -48,6 +48,20 @@ def run(coroutine_function):
     return async_to_sync(coroutine_function)()
 
 
+def refused_heartbeat(device, text: str) -> dict:
+    """Say hello as ``device`` (an enrolled one), send ``text`` as its first heartbeat, and return the error of the
+    socket's refusal (closed as malformed)."""
+
+    async def scenario():
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_to(text_data=text)
+        return await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
+
+    return run(scenario)
+
+
 def test_active_device_authenticates_heartbeats_and_is_marked_online_by_the_batch_flush(enrolled):
     device = enrolled("active")
 
@@ -164,6 +178,32 @@ def test_malformed_and_oversized_messages_before_hello_close_the_socket(frame, c
     run(scenario)
 
 
+def test_a_chunk_frame_with_an_unlisted_header_field_or_more_than_512_kib_of_file_closes_the_socket(enrolled):
+    """What the spec says of a binary chunk frame (docs/protocol/README.md, "Uploads"): a header field besides
+    offset and sha256 is malformed; more than 512 KiB of the file is too large, however short the header."""
+    device = enrolled("active")
+
+    def frame(header: dict, data: bytes) -> bytes:
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        return b"FPD1" + len(raw).to_bytes(2, "big") + raw + data
+
+    sha = "0" * 64
+    cases = [
+        (frame({"offset": 0, "sha256": sha, "note": "x"}, b"data"), CloseCode.MALFORMED, "malformed", "['note']"),
+        (frame({"offset": 0, "sha256": sha}, b"\0" * (512 * 1024 + 1)), CloseCode.TOO_LARGE, "too_large", "524288"),
+    ]
+
+    async def scenario(data: bytes, code: int, error: str):
+        communicator, challenge = await open_socket()
+        await hello(communicator, challenge, device.id, device.key)
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "welcome"
+        await communicator.send_to(bytes_data=data)
+        return await expect_refusal(communicator, code, error)
+
+    for data, code, error, said in cases:
+        assert said in async_to_sync(scenario)(data, code, error)["message"]
+
+
 @pytest.mark.parametrize(
     "heartbeat",
     [
@@ -177,15 +217,7 @@ def test_malformed_and_oversized_messages_before_hello_close_the_socket(frame, c
 )
 def test_bad_heartbeats_close_the_socket_and_record_nothing(enrolled, heartbeat):
     device = enrolled("active")
-
-    async def scenario():
-        communicator, challenge = await open_socket()
-        await hello(communicator, challenge, device.id, device.key)
-        await communicator.receive_json_from(timeout=5)
-        await communicator.send_to(text_data=heartbeat)
-        await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
-
-    run(scenario)
+    refused_heartbeat(device, heartbeat)
     assert presence.sync_client().hget(presence.key("state"), device.id) is None
 
 
@@ -259,7 +291,13 @@ def test_no_hello_in_time_closes_the_socket(monkeypatch):
     run(scenario)
 
 
-def test_quarantining_a_connected_device_closes_its_socket_and_records_who(enrolled, make_user):
+@pytest.mark.parametrize(("action", "code", "kind"), [("quarantine", "device_quarantined", "quarantined"),
+                                                       ("retire", "device_retired", "retired")])  # fmt: skip
+def test_quarantining_or_retiring_a_connected_device_closes_its_socket_with_the_status_code_and_records_who(
+    enrolled, make_user, action, code, kind
+):
+    """The error names the status, as the spec's table has it (device_retired: stop; device_quarantined: wait),
+    never closed_by_server, which tells an agent to reconnect at once."""
     from devices.services import device_transition
 
     device = enrolled("active")
@@ -269,12 +307,12 @@ def test_quarantining_a_connected_device_closes_its_socket_and_records_who(enrol
         communicator, challenge = await open_socket()
         await hello(communicator, challenge, device.id, device.key)
         await communicator.receive_json_from(timeout=5)
-        await sync_to_async(device_transition)(device=device.device, action="quarantine", actor=operator)
-        error = await expect_refusal(communicator, CloseCode.NOT_ALLOWED, "closed_by_server")
-        assert "quarantined" in error["message"]
+        await sync_to_async(device_transition)(device=device.device, action=action, actor=operator)
+        error = await expect_refusal(communicator, CloseCode.NOT_ALLOWED, code)
+        assert kind in error["message"]
 
     run(scenario)
-    event = Device.objects.get(pk=device.id).events.get(kind="quarantined")
+    event = Device.objects.get(pk=device.id).events.get(kind=kind)
     assert event.actor == operator and event.actor_label == operator.username
 
 

@@ -51,7 +51,8 @@ def bearer(token: str) -> APIClient:
 
 def unauthenticated(response) -> bool:
     """The API's answer to a caller whose credential it does not take here: 401 with a stable code."""
-    return response.status_code == 401 and error_code(response) in ("not_authenticated", "authentication_failed")
+    codes = ("not_authenticated", "authentication_failed", "auth_failed", "token_expired")
+    return response.status_code == 401 and error_code(response) in codes
 
 
 def refused(response) -> bool:

@@ -177,11 +177,12 @@ class TestDeviceCredentialsOverRest:
         world = device_fleet.world
         alpha, token = world.alpha, device_fleet.tokens["alpha"]
         expected = {
-            "quarantined": (403, "permission_denied", "quarantined"),
-            "retired": (403, "permission_denied", "retired"),
-            "rekeyed": (401, "authentication_failed", "Invalid device token"),
-            "token expired": (401, "authentication_failed", "expired"),
-            "token names bravo": (401, "authentication_failed", "Invalid device token"),
+            # the codes of the spec's table (docs/protocol/reference.md), which the agent acts on
+            "quarantined": (403, "device_quarantined", "quarantined"),
+            "retired": (403, "device_retired", "retired"),
+            "rekeyed": (401, "auth_failed", "Invalid device token"),
+            "token expired": (401, "token_expired", "expired"),
+            "token names bravo": (401, "auth_failed", "Invalid device token"),
         }[what]
         if what in ("quarantined", "retired"):
             action = what.removesuffix("d")  # quarantine, retire

@@ -1,7 +1,8 @@
 """Enrollment over the real API: the happy path and every refusal, each changing nothing."""
 
+import base64
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -93,6 +94,30 @@ def test_a_bad_or_reused_public_key_is_refused_without_spending_a_use(enrollment
     )
     _refusal(response, "invalid_public_key", 400)
     assert EnrollmentToken.objects.get(pk=issued.token.pk).uses_left == 2
+    assert Device.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_the_same_key_spelled_another_way_in_base64_is_the_same_key(enrollment_token):
+    """Padding, the standard alphabet's + and /, or set trailing bits spell the same 32 bytes: each is refused as
+    already enrolled, and the key is stored in the one canonical spelling (base64url without padding)."""
+    issued = enrollment_token(uses=6)
+    key = Ed25519PrivateKey.generate()
+    while not set(public_key_b64(key)) & set("-_"):  # a key whose spelling shows the alphabet
+        key = Ed25519PrivateKey.generate()
+    canonical = public_key_b64(key)
+    standard = base64.b64encode(base64.urlsafe_b64decode(canonical + "=")).decode()
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    spare_bits = canonical[:-1] + alphabet[alphabet.index(canonical[-1]) | 1]  # 43 characters hold 2 spare bits
+    assert base64.urlsafe_b64decode(spare_bits + "=") == base64.urlsafe_b64decode(canonical + "=")
+    first = APIClient().post("/api/v1/enroll/", {"token": issued.raw, "public_key": standard, "name": "a"},
+                             format="json")  # fmt: skip
+    assert first.status_code == 201, first.content
+    assert Device.objects.get().public_key == canonical
+    for spelling in (canonical, canonical + "=", standard.rstrip("="), spare_bits):
+        again = APIClient().post("/api/v1/enroll/", {"token": issued.raw, "public_key": spelling, "name": "b"},
+                                 format="json")  # fmt: skip
+        _refusal(again, "device_key_exists", 409)
     assert Device.objects.count() == 1
 
 
@@ -247,3 +272,17 @@ def test_token_expiry_must_be_in_the_future(api_client_for, cohort):
     body = {"name": "old", "cohort": cohort.name, "expires_at": (timezone.now() - timedelta(days=1)).isoformat()}
     response = api_client_for("admin").post("/api/v1/enrollment-tokens/", body, format="json")
     assert response.status_code == 400 and "expires_at" in response.json()["error"]["details"]
+
+
+@pytest.mark.django_db
+def test_a_token_created_without_an_expiry_is_usable_for_seven_days_as_the_schema_says(api_client_for, cohort):
+    admin = api_client_for("admin")
+    before = timezone.now()
+    response = admin.post("/api/v1/enrollment-tokens/", {"name": "first", "cohort": cohort.name}, format="json")
+    assert response.status_code == 201, response.content
+    expires = datetime.fromisoformat(response.json()["expires_at"])
+    assert before + timedelta(days=7) <= expires <= timezone.now() + timedelta(days=7)
+    assert response.json()["usable"] is True and enroll(response.json()["token"]).status_code == 201
+    schema = admin.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    request = schema["components"]["schemas"]["EnrollmentTokenRequest"]
+    assert "expires_at" not in request["required"] and "7 days" in request["properties"]["expires_at"]["description"]

@@ -14,8 +14,8 @@ from rest_framework.test import APIClient
 from devices import presence
 from devices.models import PersonalizationReport
 from devices.personalization import parse_personal
-from edge_agent.protocol import CloseCode, encode
-from tests.devices.test_agent_socket import expect_refusal, hello, open_socket
+from edge_agent.protocol import encode
+from tests.devices.test_agent_socket import hello, open_socket, refused_heartbeat
 from tests.personal_support import NOW
 from tests.personal_support import figures as personal
 
@@ -36,6 +36,9 @@ BAD_PERSONAL = [
     (personal(val_samples=-1), "personal.val_samples"),
     (personal(val_samples=4.5), "personal.val_samples"),
     (personal(trained_samples=10**10), "personal.trained_samples"),
+    (personal(shared_only_right=-1), "personal.shared_only_right"),
+    (personal(personal_only_right=2.5), "personal.personal_only_right"),
+    (personal(personal_only_right="3"), "personal.personal_only_right"),
     (personal(updated_at="yesterday"), "personal.updated_at"),
     (personal(updated_at=12.0), "personal.updated_at"),
     (personal(updated_at=time.time() + 3 * 86400), "personal.updated_at"),
@@ -48,6 +51,8 @@ def test_a_good_personal_object_is_read_field_by_field_and_unknown_fields_are_dr
     parsed = parse_personal({**personal(shared_accuracy=1, personal_accuracy=0), "note": "x"}, now=NOW)
     assert parsed == {**personal(), "shared_accuracy": 1.0, "personal_accuracy": 0.0}
     assert isinstance(parsed["shared_accuracy"], float)
+    counts = {"shared_only_right": 2, "personal_only_right": 7}  # optional: agents before them send none
+    assert parse_personal(personal(**counts), now=NOW) == {**personal(), **counts}
     state = presence.parse_heartbeat({"seq": 1, "personal": personal()})
     assert state["personal"] == personal() and state["metrics"] == {}
 
@@ -138,16 +143,7 @@ def test_figures_for_two_adapters_each_keep_their_latest_and_an_unknown_adapter_
 @pytest.mark.parametrize(("value", "message"), BAD_PERSONAL[:6] + BAD_PERSONAL[-3:], ids=lambda v: str(v)[:30])
 def test_a_heartbeat_with_bad_figures_closes_the_socket_and_stores_nothing(enrolled, adapter, value, message):
     device = enrolled("active")
-
-    async def scenario():
-        communicator, challenge = await open_socket()
-        await hello(communicator, challenge, device.id, device.key)
-        await communicator.receive_json_from(timeout=5)
-        await communicator.send_to(text_data=_beat(1, value))
-        error = await expect_refusal(communicator, CloseCode.MALFORMED, "malformed")
-        assert message in error["message"]
-
-    async_to_sync(scenario)()
+    assert message in refused_heartbeat(device, _beat(1, value))["message"]
     assert not PersonalizationReport.objects.filter(device_id=device.id).exists()
     assert presence.sync_client().hget(presence.key("state"), device.id) is None
     assert presence.sync_client().hget(presence.key("personal"), device.id) is None
@@ -172,5 +168,10 @@ def test_the_rest_heartbeat_stores_a_new_measurement_once_and_refuses_bad_figure
     )  # fmt: skip
     assert nan.status_code == 400
     assert _rows(device.id) == [(3, 0.93, True)]
-    assert client.post(url, {"seq": 5, "personal": personal(updated_at=NOW + 1)}, format="json").status_code == 204
+    paired = personal(updated_at=NOW + 1, shared_only_right=2, personal_only_right=7)
+    assert client.post(url, {"seq": 5, "personal": paired}, format="json").status_code == 204
     assert [row[2] for row in _rows(device.id)] == [False, True]
+    latest = PersonalizationReport.objects.get(device_id=device.id, latest=True)
+    assert (latest.shared_only_right, latest.personal_only_right) == (2, 7)
+    listed = client.get(f"/api/v1/devices/{device.id}/personalization/")  # a device token reads no fleet data
+    assert listed.status_code in (401, 403)

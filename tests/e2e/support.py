@@ -74,8 +74,9 @@ def spawn(argv: list[str], env: dict) -> tuple[subprocess.Popen, Output]:
     return process, Output(process)
 
 
-def launcher_argv(port: int, demo_devices: int | None = None, web_workers: int = 1) -> list[str]:
-    """The launcher's command line as `make run` gives it; without ``demo_devices``, no demo fleet."""
+def launcher_argv(port: int, demo_devices: int | None = None, web_workers: int = 1, *extra: str) -> list[str]:
+    """The launcher's command line as `make run` gives it; without ``demo_devices``, no demo (``--no-demo``; 0:
+    the demo setup without a fleet); ``extra`` arguments last."""
     return [
         sys.executable,
         "-m",
@@ -87,7 +88,8 @@ def launcher_argv(port: int, demo_devices: int | None = None, web_workers: int =
         str(web_workers),
         "--worker-concurrency",
         "1",
-        *(["--devices", str(demo_devices)] if demo_devices else ["--no-demo"]),
+        *(["--devices", str(demo_devices)] if demo_devices is not None else ["--no-demo"]),
+        *extra,
     ]
 
 
@@ -106,7 +108,7 @@ def await_ready(process: subprocess.Popen, output: Output, timeout: float = 120)
 
 
 def start_launcher(
-    env: dict, port: int, timeout: float = 120, demo_devices: int | None = None, web_workers: int = 1
+    env: dict, port: int, timeout: float = 240, demo_devices: int | None = None, web_workers: int = 1
 ) -> tuple[subprocess.Popen, Output]:
     """The product as `make run` starts it; without ``demo_devices``, no demo fleet (``--no-demo``);
     ``web_workers`` server processes."""

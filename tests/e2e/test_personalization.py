@@ -223,8 +223,9 @@ def test_an_inbox_fed_device_personalizes_reports_survives_a_kill_mid_pass_and_k
         assert status == 200 and [d["device"] for d in deltas["results"]] == [device_id], deltas
         judged, _ = wait_for(lambda: (s := personal.state()).get("shared_sha256") == v2["sha256"] and s, timeout=30)
         assert judged and judged["version"] == 2 and judged["pending"] is None, personal.state()
-        better = judged["personal_accuracy"] >= judged["shared_accuracy"] + 0.01  # the default margin
-        assert judged["serving"] == ("personal" if better else "shared"), judged
+        # its own model, unless the held slice says the shared one is better by the margin (and beyond chance)
+        worse = judged["shared_accuracy"] >= judged["personal_accuracy"] + 0.01  # the default margin
+        assert judged["serving"] == "personal" or worse, judged
         assert Agent(home).predict({"x": held_out["x"][:5].numpy()})["serving"] == judged["serving"]
         _say(f"on v2 before any pass: shared {judged['shared_accuracy']}, own head {judged['personal_accuracy']}")
         report, _ = wait_for(lambda: (r := reported()) and r["version"] == 2 and r, timeout=30, interval=0.5)

@@ -79,6 +79,49 @@ def _wait(check, what: str, timeout: float = 120):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def released_digits_adapter(api: _Api) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """Cohort ``ring``, the digits base model and an adapter on it that serves ``ring``, and a good version 1
+    (``_trained_adapter``) imported and released: ``(adapter, v1's tensors, v1)``."""
+    family_config = {"seed": 1}
+    assert api.call("POST", "/cohorts/", {"name": "ring"})[0] == 201
+    base = {"name": "digits", "family": "digits-cnn", "family_config": family_config}
+    assert api.call("POST", "/base-models/", base)[0] == 201
+    status, adapter = api.call(
+        "POST",
+        "/adapters/",
+        {"name": "digits-lora", "base_model": "digits", "rank": 4, "alpha": 8.0, "cohorts": ["ring"]},
+    )
+    assert status == 201, adapter
+    good = _trained_adapter(adapter, family_config)
+    v1 = _import(api, adapter["id"], good)
+    assert api.call("POST", f"/adapter-versions/{v1['id']}/release/", {"reason": "good"})[0] == 200
+    return adapter, good, v1
+
+
+def enroll_agents(api: _Api, tmp_path, port: int, count: int) -> tuple[list, list[str]]:
+    """``count`` agent homes enrolled in ``ring`` (no approval needed): their homes and device ids."""
+    expires = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    status, issued = api.call(
+        "POST",
+        "/enrollment-tokens/",
+        {"cohort": "ring", "name": "ring", "expires_at": expires, "uses": 10, "requires_approval": False},
+    )
+    assert status == 201, issued
+    homes, device_ids = [tmp_path / f"device-{i}" for i in range(count)], []
+    for i, home in enumerate(homes):
+        server = f"http://127.0.0.1:{port}"
+        done = _agent(home, "enroll", "--server", server, "--token", issued["token"], "--name", f"ring-{i}")
+        assert done.returncode == 0, done.stderr
+        device_ids.append(json.loads((home / "agent.json").read_text())["device_id"])
+    return homes, device_ids
+
+
+def run_agent(home, env: dict):
+    """``edge-agent run`` of ``home``, training nothing, back within 2 s of a lost connection."""
+    run = [sys.executable, "-m", "edge_agent", "--home", str(home), "run", "--no-training", "--max-backoff", "2"]
+    return spawn(run, env)
+
+
 def test_a_two_phase_rollout_installs_and_a_worse_version_is_rolled_back_automatically(tmp_path):
     env = stack_env(tmp_path, HEARTBEAT_INTERVAL_SECONDS="2", ROLLOUT_TICK_SECONDS="1", PRESENCE_FLUSH_SECONDS="1")
     port = free_port()
@@ -87,63 +130,11 @@ def test_a_two_phase_rollout_installs_and_a_worse_version_is_rolled_back_automat
     try:
         launcher, output = start_launcher(env, port)
         api = _Api(port, _admin_token(env))
-        assert api.call("POST", "/cohorts/", {"name": "ring"})[0] == 201
-        family_config = {"seed": 1}
-        assert (
-            api.call(
-                "POST", "/base-models/", {"name": "digits", "family": "digits-cnn", "family_config": family_config}
-            )[0]
-            == 201
-        )
-        status, adapter = api.call(
-            "POST",
-            "/adapters/",
-            {"name": "digits-lora", "base_model": "digits", "rank": 4, "alpha": 8.0, "cohorts": ["ring"]},
-        )
-        assert status == 201, adapter
-        good = _trained_adapter(adapter, family_config)
-        v1 = _import(api, adapter["id"], good)
-        assert api.call("POST", f"/adapter-versions/{v1['id']}/release/", {"reason": "good"})[0] == 200
-
-        expires = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
-        status, issued = api.call(
-            "POST",
-            "/enrollment-tokens/",
-            {"cohort": "ring", "name": "ring", "expires_at": expires, "uses": 10, "requires_approval": False},
-        )
-        assert status == 201, issued
-        device_ids = []
-        for i in range(DEVICES):
-            home = tmp_path / f"device-{i}"
-            done = _agent(
-                home,
-                "enroll",
-                "--server",
-                f"http://127.0.0.1:{port}",
-                "--token",
-                issued["token"],
-                "--name",
-                f"ring-{i}",
-            )
-            assert done.returncode == 0, done.stderr
+        adapter, good, v1 = released_digits_adapter(api)
+        homes, device_ids = enroll_agents(api, tmp_path, port, DEVICES)
+        for i, home in enumerate(homes):  # the devices' own samples: the install's guard metrics are measured on them
             assert _agent(home, "configure", "--simulate-device", f"{i}/{DEVICES}").returncode == 0
-            device_ids.append(json.loads((home / "agent.json").read_text())["device_id"])
-            agents.append(
-                spawn(
-                    [
-                        sys.executable,
-                        "-m",
-                        "edge_agent",
-                        "--home",
-                        str(home),
-                        "run",
-                        "--no-training",
-                        "--max-backoff",
-                        "2",
-                    ],
-                    env,
-                )
-            )
+        agents += [run_agent(home, env) for home in homes]
 
         # 1. Version 1 in two phases: half the cohort, a soak, then everyone.
         status, rollout = api.call(

@@ -32,3 +32,15 @@ def pretrained_base(digits):
             family.loss(base, take(subset, order[start : start + 32])).backward()
             optimizer.step()
     return base.eval()
+
+
+@pytest.fixture
+def app_home(tmp_path, digits):
+    """An agent home with a digits version installed on an untrained base: the sample schema is known, so files
+    can be taken (enough for the tests of sample intake, which train nothing)."""
+    from tests.edge_agent.personal_support import install, training_manifest
+
+    family = digits[0]
+    home = tmp_path / "agent"
+    install(home, family.build({"seed": 0}), family, version=1, training=training_manifest(family, {"method": "none"}))
+    return home

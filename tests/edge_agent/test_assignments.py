@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from devices.models import Device
 from devices.server_key import server_public_key_b64
 from edge_agent.assignments import AdapterStore, AssignmentHandler
 from edge_agent.identity import AgentState
-from edge_agent.rest import DeviceSession
+from edge_agent.rest import DeviceSession, ServerError
 from training.models import Assignment
 from training.registry.blobs import blob_read
 from training.registry.services import version_create_seeded
@@ -101,3 +102,80 @@ def test_a_tampered_or_replayed_manifest_is_refused_and_the_refusal_is_visible_o
     assert agent.apply(fresh)["status"] == "installed"
     assert agent.apply(message) == {"status": "refused", "code": "stale_sequence"}
     assert AdapterStore(agent.home).state()["current"]["sha256"] == newer.blob_sha256
+
+
+class _Records(logging.Handler):
+    """The records a logger emits, whatever its propagation (Django's loggers do not propagate to the root)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger(name)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
+
+def test_an_assignment_superseded_while_the_device_works_on_it_is_an_expected_outcome_on_both_ends(
+    agent, adapter, cohort, caplog
+):
+    """The server assigned v1, then v2 before the device reported on v1 (a new round's version, say): the device's
+    reports on v1 are answered 409 assignment_superseded; the device drops v1 (nothing downloaded or installed),
+    logs it at INFO without "could not", and installs v2 next. The server logs no warning for the 409s."""
+    first, second, third = (version_create_seeded(adapter=adapter, seed=seed) for seed in (1, 2, 3))
+    assignment_create(device=agent.device.device, version=first)
+    message = agent.session.get("/api/v1/device/assignment/")
+    assignment_create(device=agent.device.device, version=second)  # while the device holds v1's message
+
+    with caplog.at_level(logging.INFO), _Records("django.request") as server_warnings:
+        assert agent.apply(message) == {"status": "superseded", "version": 1}
+        assert AdapterStore(agent.home).state()["current"] is None  # neither downloaded nor installed
+        assert not (agent.home / "adapters" / adapter.name).exists()
+
+        # Superseded after it was delivered, while it installs (here: while it is evaluated): installed locally,
+        # and the installed report is answered as the delivered one was.
+        newer = agent.session.get("/api/v1/device/assignment/")
+        agent.evaluate = lambda previous, candidate, manifest: (
+            assignment_create(device=agent.device.device, version=third) and {"val_accuracy": 0.9}
+        )
+        assert agent.apply(newer) == {"status": "installed", "version": 2}
+        agent.evaluate = None
+        assert agent.apply(agent.session.get("/api/v1/device/assignment/")) == {"status": "installed", "version": 3}
+
+    agent_lines = [r for r in caplog.records if r.name.startswith("edge_agent")]
+    assert not [r for r in agent_lines if r.levelno >= logging.WARNING or "could not" in r.getMessage()], [
+        r.getMessage() for r in agent_lines
+    ]
+    withdrawn = [r.getMessage() for r in agent_lines if "withdrawn by the server" in r.getMessage()]
+    assert len(withdrawn) == 2 and "delivered" in withdrawn[0] and "installed" in withdrawn[1], withdrawn
+    assert not [r for r in server_warnings if r.levelno >= logging.WARNING], [r.getMessage() for r in server_warnings]
+    answered = [r.getMessage() for r in caplog.records if r.name == "core.api"]
+    assert len(answered) == 2 and all("(assignment_superseded)" in line for line in answered), answered
+    states = dict(Assignment.objects.filter(device=agent.device.device).values_list("version__number", "state"))
+    assert states == {1: "superseded", 2: "superseded", 3: "installed"}
+
+
+def test_a_report_on_a_superseded_assignment_is_a_409_with_its_own_code_and_other_conflicts_still_warn(agent, adapter):
+    first, second = (version_create_seeded(adapter=adapter, seed=seed) for seed in (1, 2))
+    old = assignment_create(device=agent.device.device, version=first)
+    assignment_create(device=agent.device.device, version=second)
+    path = f"/api/v1/device/assignments/{old.pk}/report/"
+    with _Records("django.request") as server_warnings:
+        with pytest.raises(ServerError) as refused:
+            agent.session.post(path, {"status": "installed", "reason": "", "metrics": {}})
+        assert (refused.value.status, refused.value.code) == (409, "assignment_superseded")
+        assert "assignment 1 is superseded (superseded by assignment 2)" in refused.value.message
+        assert not server_warnings
+        current = Assignment.objects.get(device=agent.device.device, state="pending")
+        agent.session.post(f"/api/v1/device/assignments/{current.pk}/report/", {"status": "installed"})
+        with pytest.raises(ServerError) as again:  # installed twice: a client's mistake, still a warning
+            agent.session.post(f"/api/v1/device/assignments/{current.pk}/report/", {"status": "installed"})
+        assert again.value.code == "invalid_transition"
+        assert [r.levelno for r in server_warnings] == [logging.WARNING]

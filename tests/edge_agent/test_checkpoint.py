@@ -58,6 +58,32 @@ def test_an_interrupted_training_resumes_from_its_checkpoint_and_ends_where_an_u
     assert CheckpointManager(directory).paths() == []  # a finished run leaves no checkpoint behind
 
 
+def test_a_run_asked_to_stop_checkpoints_where_it_stands_and_resumes_there_to_the_same_end(
+    digits, pretrained_base, shard, tmp_path
+):
+    """The agent stopping (SIGTERM: ``should_stop``) ends a run before its next optimizer step, with a checkpoint at
+    that step even between the periodic ones, so the stop waits for one step and the work is kept."""
+    family, _, _ = digits
+    local_train, local_val = shard
+    reference_model = adapted(pretrained_base, family)
+    reference = train_adapter(reference_model, local_train, local_val, config=config_for(None), family=family)
+
+    directory, asked = tmp_path / "ckpt", []
+    model = adapted(pretrained_base, family)
+    stopping = TrainConfig(**{**config_for(directory).__dict__, "should_stop": lambda: len(asked) >= 7})
+    with pytest.raises(Interrupted, match="stopped at step 7 of"):
+        train_adapter(model, local_train, local_val, config=stopping, family=family,
+                      progress=lambda event: asked.append(event) if event["event"] == "step" else None)  # fmt: skip
+    assert max(step for step, _ in CheckpointManager(directory).paths()) == 7  # not the periodic 6
+
+    restarted = adapted(pretrained_base, family)
+    result = train_adapter(restarted, local_train, local_val, config=config_for(directory), family=family)
+    assert result.resumed_from_step == 7 and result.history == reference.history
+    expected = adapter_tensors(reference_model)
+    for key, value in adapter_tensors(restarted).items():
+        assert torch.allclose(value, expected[key], atol=1e-6), key
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path):
     manager = CheckpointManager(tmp_path, keep=3)
     for step in (1, 2, 3):

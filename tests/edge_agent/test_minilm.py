@@ -17,7 +17,8 @@ from edge_agent.lora import tensor_spec  # noqa: E402
 from edge_agent.lora_layers import adapter_tensors, apply_adapter  # noqa: E402
 from edge_agent.training import TrainConfig, train_adapter  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+# Seconds alone; under `make test` four workers share two cores with the end-to-end tests (3x slower at worst).
+pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")

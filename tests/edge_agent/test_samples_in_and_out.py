@@ -48,7 +48,7 @@ def test_an_agent_without_a_version_cannot_take_samples_yet(tmp_path):
 @pytest.mark.parametrize(
     ("samples", "message"),
     [
-        ({"x": np.zeros((2, 1, 8, 8))}, "missing \\['y'\\]"),
+        ({"y": [1, 2]}, "missing \\['x'\\]"),  # (without 'y' a batch is unlabeled: tests/edge_agent/test_unlabeled.py)
         ({"x": np.zeros((2, 1, 8, 8)), "y": [1, 2], "z": [0, 0]}, "unknown \\['z'\\]"),
         ({"x": np.zeros((2, 1, 8, 8)), "y": [1]}, "same number"),
         ({"x": np.zeros((2, 1, 8, 7)), "y": [1, 2]}, "each sample needs float32 \\[1, 8, 8\\]"),
@@ -85,12 +85,12 @@ def test_files_in_every_format_are_stored_and_a_malformed_one_refused_whole(home
     assert [agent.add_file(p) for p in (folder / "a.npz", folder / "b.jsonl", folder / "c.csv", images)] == [20] * 3 + [
         2
     ]
-    (folder / "bad.jsonl").write_text('{"x": [[0]], "y": 1}\nnot json\n')
+    (folder / "bad.jsonl").write_text(json.dumps({"x": [0.5] * 64, "y": 1}) + "\nnot json\n")
     (folder / "bad.csv").write_text("p0,p1\n0.1,0.2\n")
     (folder / "bad.txt").write_text("hello")
     for path, message in (
         ("bad.jsonl", "cannot be read"),
-        ("bad.csv", "needs a 'y' column"),
+        ("bad.csv", "field 'x' has shape \\[2\\]"),  # (without a 'y' column its rows are unlabeled inputs)
         ("bad.txt", "unknown format"),
     ):
         with pytest.raises(SampleError, match=message):
@@ -177,3 +177,44 @@ def runtime_base(home, digits):
     base = digits[0].build({"seed": 0})
     base.load_state_dict(load_file(str(home / "base" / f"{'b' * 64}.safetensors")))
     return base
+
+
+def test_status_says_how_many_new_samples_the_agent_holds_and_how_many_more_it_waits_for(home, digits, capsys):
+    """An application handing in a few samples at a time learns from `edge-agent status` (and Agent.status()) why
+    nothing trains yet: min_new_samples (32 by default) new samples make a pass."""
+    from edge_agent.cli import main
+    from edge_agent.identity import AgentState, load_or_create_key
+    from edge_agent.runtime import AgentConfig, DeviceRuntime
+
+    def cli_status() -> dict:
+        assert main(["--home", str(home), "status"]) == 0
+        return json.loads(capsys.readouterr().out)["samples"]
+
+    AgentState(server="http://127.0.0.1:9", device_id="d", server_public_key="", cohort="c", status="active",
+               websocket_path="/ws/agent/", heartbeat_interval=30).save(home)  # fmt: skip
+    AgentConfig(data={"kind": "app"}, power={"kind": "simulated", "level": 100.0, "charging": True}).save(home)
+    agent, samples = Agent(home), _user_samples(digits, 60)
+    agent.add_samples({k: v[:10] for k, v in samples.items()})
+    waiting = agent.status()["samples"]
+    assert {k: waiting[k] for k in ("stored", "new", "min_new_samples", "new_needed")} == {
+        "stored": 10, "new": 10, "min_new_samples": 32, "new_needed": 22}  # fmt: skip
+    assert "waits for 22 more new samples (10 of the 32 min_new_samples)" in waiting["note"]
+    assert "--min-new-samples" in waiting["note"] and "train-once --force" in waiting["note"]
+    assert cli_status() == waiting
+    runtime = DeviceRuntime(home=home, state=AgentState.load(home), key=load_or_create_key(home))
+    skipped = runtime.train_once()
+    assert skipped["status"] == "skipped" and "too few new samples: 10 of the 32" in skipped["reason"]
+
+    agent.add_samples({k: v[10:40] for k, v in samples.items()})
+    ready = agent.status()["samples"]
+    assert (ready["new"], ready["new_needed"]) == (40, 0)
+    assert ready["note"].startswith("40 new samples, enough for a training pass")
+    assert runtime.train_once()["status"] == "trained"
+    trained = agent.status()["samples"]
+    assert (trained["stored"], trained["new"], trained["new_needed"]) == (40, 0, 32)
+
+    main(["--home", str(home), "configure", "--min-new-samples", "8"])
+    capsys.readouterr()
+    agent.add_samples({k: v[40:50] for k, v in samples.items()})
+    assert {k: cli_status()[k] for k in ("new", "min_new_samples", "new_needed")} == {
+        "new": 10, "min_new_samples": 8, "new_needed": 0}  # fmt: skip

@@ -27,6 +27,32 @@ def test_unknown_api_path_is_a_json_404(api_client_for):
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/api/v1/no-such-thing/", "/api/v1/devices/not-a-uuid/x/", "/api/nothing-here",
+                                  "/api/v1/", "/api/docs/protocol/nope/"])  # fmt: skip
+def test_unknown_api_path_is_a_json_404_with_debug_on_too(client, settings, path):
+    """With DEBUG on (development, `make run`) Django answered these with its HTML debug page, not handler404."""
+    settings.DEBUG = True
+    for accept in ("application/json", "text/html,application/xhtml+xml", "*/*"):
+        response = client.get(path, HTTP_ACCEPT=accept)
+        assert response["Content-Type"] == "application/json", (path, accept)
+        assert_error(response, 404, "not_found")
+
+
+@pytest.mark.django_db
+def test_an_api_path_without_its_slash_is_still_redirected_to_it(client, settings):
+    settings.DEBUG = True
+    response = client.get("/api/v1/devices")
+    assert response.status_code == 301 and response["Location"] == "/api/v1/devices/"
+
+
+@pytest.mark.django_db
+def test_a_404_outside_the_api_stays_the_dashboard_s_page(client, settings):
+    settings.DEBUG = False
+    response = client.get("/no-such-page/")
+    assert response.status_code == 404 and not response["Content-Type"].startswith("application/json")
+
+
+@pytest.mark.django_db
 def test_missing_object_is_a_404_error_body(api_client_for):
     assert_error(api_client_for("admin").get("/api/v1/users/999999/"), 404, "not_found")
 

@@ -113,9 +113,12 @@ def test_database_url_supports_unix_sockets_and_options():
     assert config["OPTIONS"] == {"sslmode": "disable"}
 
 
-def test_server_processes_use_a_bounded_connection_pool_and_others_persistent_connections():
+def test_server_processes_use_a_bounded_connection_pool_and_others_persistent_connections(db):
     """Under ASGI every request runs in a thread of its own, so fleet/asgi.py asks for a pool (Django's
-    advice); a pool of N never opens more than N connections however many threads ask at once."""
+    advice); a pool of N never opens more than N connections however many threads ask at once. The child
+    connects to the test database (DATABASE_URL's own database need not exist on the machine)."""
+    from tests.conftest import _test_database_url
+
     script = textwrap.dedent(
         """
         import os, threading
@@ -126,28 +129,33 @@ def test_server_processes_use_a_bounded_connection_pool_and_others_persistent_co
 
         db = settings.DATABASES["default"]
         print("pool", db["OPTIONS"]["pool"]["max_size"], db["CONN_MAX_AGE"])
-        barrier, pids = threading.Barrier(12), set()
+        barrier, pids, errors = threading.Barrier(12), set(), []
 
         def work():
             barrier.wait()
-            with connection.cursor() as cursor:
-                cursor.execute("select pg_backend_pid(), pg_sleep(0.2)")
-                pids.add(cursor.fetchone()[0])
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute("select pg_backend_pid(), pg_sleep(0.2)")
+                    pids.add(cursor.fetchone()[0])
+            except Exception as error:
+                errors.append(repr(error))
             connection.close()
 
         threads = [threading.Thread(target=work) for _ in range(12)]
         [t.start() for t in threads]
         [t.join() for t in threads]
         print("backends", len(pids))
+        print("errors", errors)
         """
     )
-    env = {**os.environ, "DATABASE_POOL_SIZE": "3"}
+    env = {**os.environ, "DATABASE_POOL_SIZE": "3", "DATABASE_URL": _test_database_url()}
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")
     assert lines[0] == "pool 3 0"
+    assert lines[2] == "errors []", result.stdout
     assert 1 <= int(lines[1].split()[1]) <= 3
 
     # (Importing fleet.asgi in this test process may have set DATABASE_POOL_SIZE in os.environ.)

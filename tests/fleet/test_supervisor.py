@@ -9,6 +9,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from fleet.launcher import Supervisor
 
@@ -71,3 +72,46 @@ def test_a_child_that_keeps_dying_stops_everything():
     assert supervisor.wait() == 4
     assert len(supervisor.restarts["beat"]) == 2
     assert time.monotonic() - started < 15
+
+
+def test_the_children_named_first_are_stopped_and_gone_before_the_others_get_their_signal(tmp_path):
+    """The demo fleet before the web server its agents talk to: the others are signalled only once those exited."""
+    supervisor = _supervisor()
+    log = tmp_path / "order"
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    open({str(log)!r}, 'a').write(sys.argv[1] + ' got SIGTERM at ' + repr(time.monotonic()) + '\\n')\n"
+        "    time.sleep(float(sys.argv[2]))\n"
+        f"    open({str(log)!r}, 'a').write(sys.argv[1] + ' exited at ' + repr(time.monotonic()) + '\\n')\n"
+        "    raise SystemExit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    for name, linger in (("web", "0"), ("demo", "1.0"), ("worker", "0")):
+        supervisor.start(name, [sys.executable, "-c", child, name, linger])
+    _wait(lambda: all(_handles_sigterm(p.pid) for p in supervisor.children.values()))
+    supervisor.stop(timeout=10, first=("demo",))
+    events = [line.split(" at ")[0] for line in log.read_text().splitlines()]
+    assert events[:2] == ["demo got SIGTERM", "demo exited"], events
+    assert sorted(events[2:]) == ["web exited", "web got SIGTERM", "worker exited", "worker got SIGTERM"]
+    assert all(process.poll() == 0 for process in supervisor.children.values())
+
+
+def _handles_sigterm(pid: int) -> bool:
+    import signal
+
+    from fleet.parent_watch import caught_signals
+
+    return signal.SIGTERM in caught_signals(pid)
+
+
+@pytest.mark.parametrize("devices", ["1", "2", "-1"])
+def test_run_refuses_a_demo_fleet_of_fewer_than_three_devices_before_starting_anything(devices, capsys):
+    from fleet.launcher import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--devices", devices])
+    assert exited.value.code == 2
+    assert "--devices 0 seeds the demo setup without any" in capsys.readouterr().err

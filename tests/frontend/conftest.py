@@ -1,5 +1,6 @@
-"""Fixtures for the dashboard tests: a signed-in client per role, rows made in bulk, and the small fleet the
-page tests share (``world``: test_pages.py and test_training_pages.py).
+"""Fixtures for the dashboard tests: a signed-in client per role, rows made in bulk, the small fleet the
+page tests share (``world``: test_pages.py and test_training_pages.py), and what the browser tests (the modules
+marked ``e2e``) share: the ASGI server, headless Chromium, and a plain thread for ORM work beside Playwright.
 
 Pages only read, so the bulk builders write rows directly (``bulk_create``) to reach fleet-sized counts
 quickly; the actions under test go through the real services.
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
 
 from devices.models import Cohort, Device, DeviceStatus, EnrollmentToken
 from devices.services import enrollment_token_create
+from tests.asgi_server import asgi_server
 from training.federation.rounds import round_open
 from training.models import AdapterVersion, Delta, Rollout, Round
 from training.rollouts.lifecycle import device_bucket, rollout_create
@@ -30,6 +35,66 @@ def _fast_password_hashing(request, settings):
     if request.node.get_closest_marker("e2e"):
         return
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def server_url(django_db_setup, django_db_blocker, tmp_path_factory):
+    """uvicorn on ``fleet.asgi:application`` against the test database and this run's Redis namespace."""
+    with asgi_server("browser", tmp_path_factory.mktemp("browser-server")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        message = f"no Chromium at {CHROMIUM}: `make install` (or `make chromium`) installs Debian's"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # in CI a missing browser is a broken install, never a quiet skip
+        pytest.skip(message)
+    with playwright_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(autouse=True)
+def _orm_beside_playwright(request, monkeypatch):
+    # Playwright's sync API keeps an asyncio loop on this thread; the test's own ORM calls are still
+    # plain synchronous calls between browser steps, so Django's guard against ORM use in a loop is moot.
+    # Only the browser tests: elsewhere the guard stays on.
+    if request.node.get_closest_marker("e2e"):
+        monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+_side_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-loop")
+
+
+def off_loop(function, *args, **kwargs):
+    """Run ``function`` on a plain thread: what publishes live events (``async_to_sync``) cannot run on a
+    thread where Playwright's loop is running."""
+    return _side_thread.submit(function, *args, **kwargs).result(timeout=60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_side_thread_connections(request):
+    yield
+    if request.node.get_closest_marker("e2e"):  # a browser test module
+        from django.db import connections
+
+        off_loop(connections.close_all)  # so the test database can be dropped at the end of the run
 
 
 @pytest.fixture

@@ -7,81 +7,22 @@ One uvicorn process serves the whole module from the test database; each test co
 
 from __future__ import annotations
 
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
 
-from tests.asgi_server import asgi_server
 from tests.conftest import ROOT
+from tests.frontend.conftest import off_loop
 
-playwright_api = pytest.importorskip("playwright.sync_api")
-
-CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SCREENSHOTS = ROOT / "tests" / "artifacts" / "screenshots"
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 PASSWORD = "correct-horse-battery-9"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module")
-def server_url(django_db_setup, django_db_blocker, tmp_path_factory):
-    """uvicorn on ``fleet.asgi:application`` against the test database and this run's Redis namespace."""
-    with asgi_server("browser", tmp_path_factory.mktemp("browser-server")) as server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        message = f"no Chromium at {CHROMIUM}: `make install` (or `make chromium`) installs Debian's"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # in CI a missing browser is a broken install, never a quiet skip
-        pytest.skip(message)
-    with playwright_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture(autouse=True)
-def _orm_beside_playwright(monkeypatch):
-    # Playwright's sync API keeps an asyncio loop on this thread; the test's own ORM calls are still
-    # plain synchronous calls between browser steps, so Django's guard against ORM use in a loop is moot.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-
-
-_side_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-loop")
-
-
-def off_loop(function, *args, **kwargs):
-    """Run ``function`` on a plain thread: what publishes live events (``async_to_sync``) cannot run on a
-    thread where Playwright's loop is running."""
-    return _side_thread.submit(function, *args, **kwargs).result(timeout=60)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_side_thread_connections():
-    yield
-    from django.db import connections
-
-    off_loop(connections.close_all)  # so the test database can be dropped at the end of the run
 
 
 @dataclass

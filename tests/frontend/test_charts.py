@@ -3,7 +3,7 @@
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
-from frontend.charts import HEIGHT, PAD_BOTTOM, PAD_TOP, hourly_bar_chart, line_chart
+from frontend.charts import HEIGHT, PAD_BOTTOM, PAD_TOP, WIDTH, hourly_bar_chart, line_chart
 from frontend.selectors import metric_series, version_lineage
 
 BOTTOM, TOP = HEIGHT - PAD_BOTTOM, PAD_TOP
@@ -63,6 +63,21 @@ def test_hourly_bars_stack_rejected_deltas_on_top_of_the_rest():
 
 def _version(pk, number, parent=None, metrics=None):
     return SimpleNamespace(pk=pk, number=number, parent_id=parent, metrics=metrics or {})
+
+
+def test_the_hourly_chart_spans_only_the_hours_with_deltas_and_a_few_bars_make_a_narrow_picture():
+    from frontend.selectors import data_span
+
+    start = datetime(2025, 11, 29, 0, tzinfo=UTC)
+    day = [{"hour": start + timedelta(hours=h), "total": 0, "rejected": 0} for h in range(24)]
+    day[20]["total"], day[22]["total"], day[22]["rejected"] = 4, 9, 7
+    span = data_span(day)
+    assert [b["hour"].hour for b in span] == [20, 21, 22] and data_span(day[:20]) == []
+    narrow = hourly_bar_chart("d", span)
+    assert len(narrow.bars) == 3 and narrow.width < WIDTH / 2 and narrow.max_px == round(narrow.width * 1.3)
+    assert [t["label"] for t in narrow.x_ticks] == ["20:00", "21:00", "22:00"]
+    full = hourly_bar_chart("d", [{**b, "total": 1} for b in day])
+    assert full.width == WIDTH and full.max_px is None and len(full.x_ticks) <= 7
 
 
 def test_lineage_keeps_a_chain_flat_and_indents_only_forks():

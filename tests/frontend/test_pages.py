@@ -5,12 +5,15 @@ test_training_pages.py, the ``pages_world`` both use in conftest.py."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken
 from devices.uploads import upload_refused
-from tests.frontend.conftest import World
+from tests.frontend.conftest import World, make_deltas, make_versions
+from training.models import Delta, TrainingEvent
 
 pytestmark = pytest.mark.django_db
 RANK = {None: 0, "viewer": 1, "operator": 2, "admin": 3}
@@ -98,6 +101,51 @@ def test_overview_shows_counts_rounds_rejections_versions_and_activity(pages_wor
         f"none × {len(pages_world.devices) + len(pages_world.pending)}" in html
     )  # no device reports a running version yet
     assert "<svg" in html and "Deltas per hour" in html
+
+
+def test_overview_shows_the_shared_versions_accuracy_per_adapter(pages_world, client_for):
+    html = client_for("viewer").get("/").content.decode()
+    card = html.split('id="shared-accuracy"', 1)[1].split("</section>", 1)[0]
+    name = pages_world.adapter.name
+    newest = pages_world.versions[-1]  # make_versions: v3 released, eval_accuracy 0.5 + 3/12
+    assert f"<td>v{newest.number}</td>" in card
+    assert f'data-testid="shared-accuracy-{name}">75.0%<' in card
+
+
+def test_overview_chart_spans_only_the_hours_with_deltas(pages_world, client_for):
+    html = client_for("viewer").get("/").content.decode()
+    chart = html.split('id="deltas-chart"', 1)[1].split("</figure>", 1)[0]
+    bars = chart.count("<g><title>")
+    assert 1 <= bars <= 2, bars  # pages_world's deltas came in the last few minutes: an hour or two, not 24
+    assert "last 24 h" not in chart and re.search(r"Deltas per hour, \d\d:00", chart)
+    Delta.objects.update(received_at=timezone.now() - timedelta(hours=30))
+    assert "No deltas in the last 24 hours." in client_for("viewer").get("/").content.decode()
+
+
+def test_overview_groups_rejected_deltas_by_device_and_code_with_a_count(pages_world, client_for):
+    device = pages_world.devices[0]
+    make_deltas([device], pages_world.adapter, pages_world.versions[-1], 10, rejected_every=1)
+    html = client_for("viewer").get("/").content.decode()
+    card = html.split('id="rejected"', 1)[1].split("</table>", 1)[0]
+    assert card.count(f'href="/devices/{device.pk}/"') == 1  # one row, not ten
+    row = card.split(f'href="/devices/{device.pk}/"', 1)[1].split("</tr>", 1)[0]
+    assert "norm_<wbr>too_<wbr>large" in row and re.search(
+        r'data-testid="rejected-count">1[12]<', row
+    )  # + pages_world's
+
+
+def test_overview_activity_renders_event_details_as_readable_pairs(pages_world, client_for):
+    TrainingEvent.objects.create(
+        kind="adapter.aggregation_changed", adapter=pages_world.adapter,
+        detail={"aggregation": {"strategy": "trimmed_mean", "trim_fraction": 0.2}, "previous": {"strategy": "fedavg"}},
+    )  # fmt: skip
+    html = client_for("viewer").get("/").content.decode()
+    activity = html.split('id="recent-activity"')[1].split("</ul>")[0]
+    assert (
+        "aggregation changed: " in activity
+        and "aggregation: (strategy: trimmed_mean; trim fraction: 20.0%)" in activity
+    )
+    assert "{" not in activity
 
 
 def test_overview_activity_reads_as_sentences_with_names_and_utc_times(pages_world, client_for):
@@ -272,6 +320,35 @@ def test_device_detail_shows_identity_heartbeat_versions_deltas_and_events(pages
     assert "digits-lora v2" in html and "digits-lora v3" in html and "update pending" in html
     assert "norm_too_large" in html and "verified" in html
     assert f"{device.name} enrolled with token fet_x…" in html
+
+
+def test_the_device_page_counts_its_rejected_deltas_beside_the_uploads_refused_at_start(pages_world, client_for):
+    device = pages_world.devices[1]  # pages_world gave it one accepted delta and no rejected one
+    html = client_for("viewer").get(f"/devices/{device.pk}/").content.decode()
+    assert 'data-testid="deltas-rejected">none<' in html and 'data-testid="uploads-refused">none<' in html
+    make_deltas([device], pages_world.adapter, pages_world.versions[-1], 7, rejected_every=1)
+    html = client_for("viewer").get(f"/devices/{device.pk}/").content.decode()
+    assert (
+        'data-testid="deltas-rejected"><span class="bad">7</span> <span class="chip">norm_too_large × 7</span>' in html
+    )
+    assert "Rejected deltas</th>" in html and "Uploads refused at start</th>" in html  # two figures, two labels
+    assert 'data-testid="uploads-refused">none<' in html
+
+
+def test_the_device_page_shows_the_newest_assignments_and_links_to_the_rest(pages_world, client_for, make_user):
+    from training.models import Assignment
+
+    device = pages_world.devices[0]
+    versions = make_versions(pages_world.adapter, 8)
+    Assignment.objects.bulk_create(
+        Assignment(device=device, version=v, seq=seq, state="superseded") for seq, v in enumerate(versions, 1)
+    )
+    client = client_for("viewer")
+    html = client.get(f"/devices/{device.pk}/").content.decode()
+    shown = html.split('id="assignments"', 1)[1].split("</table>", 1)[0]
+    assert shown.count("<tr><td>") == 5 and "newest 5 of 8" in shown and 'href="?assignments=all#assignments"' in shown
+    every = client.get(f"/devices/{device.pk}/?assignments=all").content.decode()
+    assert every.split('id="assignments"', 1)[1].split("</table>", 1)[0].count("<tr><td>") == 8
 
 
 # --- cohorts and enrollment tokens ------------------------------------------------------------------------

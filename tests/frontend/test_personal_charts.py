@@ -37,7 +37,20 @@ def test_the_accuracy_chart_draws_both_series_on_one_whole_percent_scale():
     assert all(p["y"] < q["y"] for p, q in zip(personal.points, shared.points, strict=True))  # own above shared
     assert personal.points[1]["label"] == "2025-11-25 03:30 UTC, v2"
     assert [t["anchor"] for t in chart.x_ticks] == ["start", "middle", "middle", "middle", "end"]
-    assert chart.x_ticks[0]["label"] == "11-25 03:00"
+    assert chart.x_ticks[0]["label"] == "03:00"  # within a day: the time only (the caption says the date)
+    assert [t["minor"] for t in chart.x_ticks] == [False, True, False, True, False]  # a phone shows three
+
+
+def test_the_time_axis_never_repeats_a_label_and_its_precision_follows_the_span():
+    close = [Report(datetime(2025, 11, 29, 0, 13, second, tzinfo=UTC), 0.8, 0.9) for second in (1, 20, 50)]
+    labels = [tick["label"] for tick in accuracy_chart("Own model", close).x_ticks]
+    assert labels == ["00:13:01", "00:13:13", "00:13:25", "00:13:37", "00:13:50"]
+    same = [Report(datetime(2025, 11, 29, 0, 13, 0, micro, tzinfo=UTC), 0.8, 0.9) for micro in (1, 900)]
+    labels = [tick["label"] for tick in accuracy_chart("Own model", same).x_ticks]
+    assert labels == ["00:13:00"]  # five ticks within a second: one label, not five equal ones
+    days = [Report(datetime(2025, 11, day, 9, tzinfo=UTC), 0.8, 0.9) for day in (1, 20)]
+    labels = [tick["label"] for tick in accuracy_chart("Own model", days).x_ticks]
+    assert len(set(labels)) == len(labels) == 5 and labels[0] == "2025-11-01"
 
 
 def test_one_measurement_is_one_point_in_the_middle_and_no_measurement_is_empty():

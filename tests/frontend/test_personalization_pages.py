@@ -22,8 +22,8 @@ pytestmark = pytest.mark.django_db
 
 FORM = {  # the defaults (PERSONALIZATION_DEFAULTS), as the page's form posts them
     "method": "ditto",
-    "lambda": "1.0",
-    "epochs": "20",
+    "lambda": "0.1",
+    "epochs": "50",
     "lr": "0.01",
     "margin": "0.01",
     "min_val_samples": "10",
@@ -97,7 +97,7 @@ def test_the_adapter_page_shows_the_fleet_figures_histogram_and_cohorts(client_f
     assert "+28.5" in text  # the tablets' mean gain
     # A viewer sees the setting, not the form.
     assert 'data-testid="personal-setting"' in page and 'data-testid="personalization-form"' not in page
-    assert 'href="#personalization">ditto</a>' in page
+    assert 'href="#personalization-setting">ditto</a>' in page
 
 
 def test_the_adapter_page_before_any_report_shows_the_setting_and_an_empty_state(client_for, adapter):
@@ -106,6 +106,29 @@ def test_the_adapter_page_before_any_report_shows_the_setting_and_an_empty_state
     assert response.status_code == 200 and 'data-testid="personal-empty"' in page
     assert 'data-testid="chart-gain-histogram"' not in page
     assert 'data-testid="personalization-form"' in page and 'value="ditto" selected' in page
+
+
+ROWS = ("Lambda", "Contradicted classes", "Private modules", "Training", "Served")
+
+
+@pytest.mark.parametrize(
+    ("method", "shown"),
+    [
+        ("none", ()),
+        ("finetune", ("Training", "Served")),
+        ("ditto", ("Lambda", "Contradicted classes", "Training", "Served")),
+        ("private_modules", ("Private modules", "Training", "Served")),
+    ],
+)
+def test_the_setting_lists_only_what_its_method_uses(client_for, adapter, method, shown):
+    """Under finetune no ditto lambda or contradicted classes; under none no setting at all (issue 50)."""
+    adapter.personalization = {"method": method}
+    adapter.save(update_fields=["personalization"])
+    page = client_for("viewer").get(f"/adapters/{adapter.pk}/").content.decode()
+    summary = page[page.index('data-testid="personal-setting"') :]
+    summary = summary[: summary.index("</table>")]
+    assert tuple(row for row in ROWS if f"<th>{row}</th>" in summary) == shown
+    assert f"<b>{method}</b>" in summary and ("proximal" in summary) == (method == "ditto")
 
 
 def test_an_operator_changes_the_setting_with_the_form_and_it_is_audited(client_for, adapter):

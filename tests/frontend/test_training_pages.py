@@ -138,11 +138,36 @@ def test_rounds_count_the_adapters_deltas_rejected_while_they_collected_not_a_re
     assert "rejected meanwhile (2)" in detail and "0 joined" in detail
     listed = viewer.get(f"/rounds/{closed.pk}/?state=rejected").content.decode()
     assert {int(pk) for pk in re.findall(r'data-delta="(\d+)"', listed)} == {rejected[1].pk, rejected[2].pk}
-    assert listed.count("norm_too_large") == 2
+    assert listed.count("norm_<wbr>too_<wbr>large") == 2  # a code that wraps only at its underscores
     Delta.objects.filter(adapter=adapter).delete()
     empty = viewer.get(f"/rounds/{current.pk}/?state=rejected").content.decode()
     assert f"No delta for {adapter.name} was rejected while this round collected." in empty
     assert f'data-testid="rejected-meanwhile-{current.pk}">0<' in viewer.get("/rounds/").content.decode()
+
+
+def test_the_rounds_pages_and_the_api_count_the_same_rejected_deltas_and_show_a_rejected_deltas_norm(
+    pages_world, client_for
+):
+    round_ = pages_world.round  # pages_world: 8 deltas over the last minutes, every 4th rejected
+    viewer = client_for("viewer")
+    body = viewer.get(f"/api/v1/rounds/{round_.pk}/").json()
+    listing = viewer.get("/rounds/").content.decode()
+    # the one received now, not the one 4 minutes ago, before the round opened; never "0" from a count of
+    # rejected deltas in the round (none ever joins one)
+    assert body["rejected"] == 1 and body["accepted"] == 6
+    link = f'<a class="bad" href="/rounds/{round_.pk}/?state=rejected">1<'
+    assert f'data-testid="rejected-meanwhile-{round_.pk}">{link}' in listing
+    assert "the API's <code>rejected</code> counts the same" in listing
+    schema = viewer.get("/api/schema/", headers={"Accept": "application/json"}).json()
+    assert (
+        "received while the round collected (from its opening to its close, or now while it collects) and rejected"
+        in schema["components"]["schemas"]["Round"]["properties"]["rejected"]["description"]
+    )
+    Delta.objects.filter(state="rejected").update(
+        norm=None, rejection_detail="the update's L2 norm is 1.234e+06; the adapter's bound is 1000"
+    )
+    rejected = viewer.get(f"/rounds/{round_.pk}/?state=rejected").content.decode()
+    assert rejected.count('<td class="opt">1,234,000</td>') == 1 and '<td class="opt">—</td>' not in rejected
 
 
 # --- rollouts --------------------------------------------------------------------------------------------
@@ -229,6 +254,26 @@ def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_t
     assert re.search(r'data-phase="1">.*?upcoming', html, re.S)
     assert re.search(r'class="breached">\s*<td>eval_accuracy</td>\s*<td>≥ 80.0%', html)  # numbers for people
     assert "50.0% breached" in html and "failure_rate" in html
+
+
+def test_rollout_history_reads_as_sentences_and_a_personal_gain_is_in_points(pages_world, client_for, make_user):
+    from training.models import Assignment
+    from training.rollouts.lifecycle import rollout_start
+
+    rollout = pages_world.rollout
+    TrainingEvent.objects.create(
+        kind="rollout.paused", adapter=pages_world.adapter, version=rollout.version,
+        detail={"rollout": rollout.pk, "reason": "", "guards": [], "phases": [{"percent": 34, "min_soak_seconds": 60}]},
+    )  # fmt: skip
+    rollout_start(rollout=rollout, actor=make_user("operator"))
+    assigned = rollout.assignments.first()
+    Assignment.objects.filter(pk=assigned.pk).update(state="installed", metrics={"personal_gain": 0.304})
+    html = client_for("viewer").get(f"/rollouts/{rollout.pk}/").content.decode()
+    history = html.split("<h2>History</h2>", 1)[1]
+    assert f"rollout {rollout.pk} of {pages_world.adapter.name} v{rollout.version.number} paused" in history
+    assert "phases: (percent: 34; min soak seconds: 60)" in history
+    assert "reason ," not in history and "guards []" not in history and "{" not in history
+    assert "personal gain: +30.4 points" in html and "0.304" not in html
 
 
 # --- the release gate ------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from frontend.wording import detail_text, number, plural
         (math.nan, "eval_loss", "NaN"),
         (math.inf, "", "∞"),
         ("fedavg", "strategy", "fedavg"),
+        (0.304, "personal_gain", "+30.4 points"),  # a gain in accuracy is in points, as everywhere else
+        (-0.012, "val_accuracy_change", "-1.2 points"),
     ],
 )
 def test_numbers_are_shown_for_people(value, key, shown):
@@ -36,9 +38,23 @@ def test_numbers_are_shown_for_people(value, key, shown):
 
 def test_a_detail_dict_reads_as_names_and_formatted_values_cut_at_the_limit():
     detail = {"update_norm": 4.420330172652994, "eval_accuracy": 0.875, "targets": ["q", "v"], "dp": None}
-    assert detail_text(detail) == "update norm 4.42, eval accuracy 87.5%, targets [q, v], dp none"
-    assert detail_text({"note": "x" * 300}, limit=20) == "note " + "x" * 14 + "…"
+    assert detail_text(detail) == "update norm: 4.42; eval accuracy: 87.5%; targets: q, v; dp: none"
+    assert detail_text({"note": "x" * 300}, limit=20) == "note: " + "x" * 13 + "…"
     assert detail_text({}) == "" and detail_text("not a dict") == ""
+
+
+def test_event_details_read_as_key_value_pairs_cut_at_a_word_boundary_never_mid_dictionary():
+    detail = {
+        "aggregation": {"strategy": "trimmed_mean", "trim_fraction": 0.1, "server_lr": 1.0},
+        "dp": {"noise_multiplier": 0.8, "clip": 2.5},
+    }
+    text = event_text.training_event("adapter.aggregation_changed", detail, "digits-lora")
+    assert text.startswith("digits-lora's aggregation changed: aggregation: (strategy: trimmed_mean; ")
+    assert "{" not in text and "}" not in text
+    cut = detail_text({"reason": "the new version loses accuracy on every device of the night shift"}, limit=40)
+    assert cut == "reason: the new version loses accuracy…" and len(cut) <= 40
+    phases = {"guards": [], "phases": [{"percent": 34, "min_soak_seconds": 600}, {"percent": 100}]}
+    assert detail_text(phases) == "guards: none; phases: (percent: 34; min soak seconds: 600), (percent: 100)"
 
 
 def test_plurals_count_their_noun():
@@ -62,7 +78,7 @@ def test_plurals_count_their_noun():
         ("online", {}, "demo-03 came online"),
         ("offline", {}, "demo-03 went offline"),
         ("updated", {"agent_version": "0.2", "hardware": {}}, "demo-03 updated: agent version, hardware"),
-        ("something_new", {"score": 0.123456}, "demo-03: something new (score 0.123)"),
+        ("something_new", {"score": 0.123456}, "demo-03: something new (score: 0.123)"),
     ],
 )
 def test_device_events_read_as_sentences_about_the_device_by_name(kind, detail, sentence):
@@ -88,7 +104,7 @@ def test_device_events_read_as_sentences_about_the_device_by_name(kind, detail, 
         ("adapter.cohorts_changed", {"cohorts": ["eu", "us"], "added": ["us"], "removed": []}, None,
          "digits-lora now serves eu, us"),
         ("adapter.personalization_changed", {"personalization": {"method": "finetune", "epochs": 8}, "previous": {}},
-         None, "digits-lora now personalizes with finetune (epochs 8)"),
+         None, "digits-lora now personalizes with finetune (epochs: 8)"),
         ("adapter.personalization_changed", {"personalization": {}, "previous": {"epochs": 8}}, None,
          "digits-lora now personalizes with the default method"),
     ],

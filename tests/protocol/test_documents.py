@@ -237,6 +237,22 @@ def test_the_server_serves_the_protocol_beside_the_rest_api(client):
     assert page.status_code == 200
     html = page.content.decode()
     for name in ("Hello", "DeltaBegin", "DeltaEnvelope", "ManifestEnvelope", "AssignmentReport"):
-        assert f"id='{name.lower()}'" in html
-    assert "<td><code>counter</code></td>" in html and "9007199254740991" in html  # fields with their bounds
-    assert "href='/api/protocol/asyncapi.json'" in html and "href='/api/docs/'" in html
+        assert f'id="{name.lower()}"' in html
+    assert '<td data-label="field"><code>counter</code></td>' in html and "9007199254740991" in html  # and bounds
+    assert 'href="/api/protocol/asyncapi.json"' in html and 'href="/api/docs/"' in html
+
+
+@pytest.mark.django_db
+def test_the_protocol_page_reads_as_a_dashboard_page_with_plain_types_and_identifiers_that_wrap_whole(
+    client, django_user_model
+):
+    html = client.get("/api/docs/protocol/").content.decode()
+    assert "\\|" not in html  # a markdown table's escape is no part of an HTML cell
+    assert re.search(r'<td data-label="type"><code>1</code> \| <code>2</code></td>', html)  # "1 | 2"
+    assert "<code>device_<wbr>id</code>" in html  # wraps at the underscore if it must, never inside "id"
+    assert '<link rel="stylesheet" href="/static/frontend/app.css">' in html and 'class="topbar"' in html
+    assert 'aria-label="main"' not in html  # the navigation is for the signed-in
+    user = django_user_model.objects.create_user("reader", password="x" * 12)
+    client.force_login(user)
+    signed_in = client.get("/api/docs/protocol/").content.decode()
+    assert 'aria-label="main"' in signed_in and 'href="/api/docs/" aria-current="page"' in signed_in

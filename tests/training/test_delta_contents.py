@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from edge_agent.delta import decode_tensor, encode_delta, read_encoding
+from edge_agent.delta import CLIP_SHARE, clip_to_bound, compute_delta, decode_tensor, encode_delta, read_encoding
 from tests.training.forked_checks import ROUNDS
 from training.federation import delta_contents
 from training.federation.delta_contents import Rejection, contents_check
@@ -328,3 +328,34 @@ def test_the_norm_of_values_all_alike_float32_sums_worst_case_is_within_1e_4(nor
     _, norm = contents_check(io.BytesIO(data), size=len(data), sha256=hashlib.sha256(data).hexdigest(), adapter=adapter)
     exact = math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
     assert norm == pytest.approx(exact, rel=1e-12 if norm_path == "compiled" else 1e-4)
+
+
+@pytest.mark.parametrize("encoding", ["f32", "f16", "int8"])
+def test_an_update_the_agent_clips_to_the_manifests_bound_passes_the_servers_norm_check(encoding, norm_path):
+    """The bound travels in the manifest's training setting (``max_norm``); the agent scales an update above it to
+    ``CLIP_SHARE`` of it (edge_agent.delta.clip_to_bound) and the server, summing its own way over the decoded
+    values of any encoding, finds it within. Unclipped, the same update is refused ``norm_too_large``."""
+    started = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    trained = {name: t * 100 for name, t in _tensors().items()}
+    bound = 0.5
+    clipped, norm = clip_to_bound(trained, started, bound)
+    assert norm > bound
+    with pytest.raises(Rejection) as refused:
+        _check(encode_delta(compute_delta(trained, started), encoding=encoding), encoding, None, max_norm=bound)
+    assert refused.value.code == "norm_too_large"
+    found = _check(encode_delta(compute_delta(clipped, started), encoding=encoding), encoding, None, max_norm=bound)
+    assert found[1] <= bound and found[1] == pytest.approx(CLIP_SHARE * bound, rel=1e-2)
+    within = {name: t * 0.5 for name, t in clipped.items()}
+    assert clip_to_bound(within, started, bound)[0] is within  # within the bound: unchanged
+    assert clip_to_bound(trained, started, None)[0] is trained  # no bound known: unchanged
+
+
+@pytest.mark.django_db
+def test_the_manifest_carries_the_adapters_norm_bound(adapter, make_user):
+    from training.registry.services import adapter_set_aggregation
+    from training.rollouts.manifests import training_config
+
+    assert training_config(adapter)["max_norm"] == 1000.0
+    adapter_set_aggregation(adapter=adapter, actor=make_user("admin"), aggregation={"max_norm": 2.5})
+    adapter.refresh_from_db()
+    assert training_config(adapter)["max_norm"] == 2.5

@@ -13,16 +13,13 @@ from training.federation.rounds import round_base
 from training.federation.verification import delta_verify
 from training.models import AdapterVersion, Assignment, Rollout, Round, TrainingEvent
 from training.registry.services import adapter_set_aggregation, version_create_seeded, version_transition
+from training.rollouts.automatic import CANARY_PERCENT, CANARY_REPORTS, CANARY_SOAK_SECONDS, round_result_release
 from training.rollouts.lifecycle import (
-    CANARY_PERCENT,
-    CANARY_REPORTS,
-    CANARY_SOAK_SECONDS,
     assignment_report,
     rollout_abort,
     rollout_create,
     rollout_start,
     rollout_tick,
-    round_result_release,
 )
 
 AGGREGATION = {"strategy": "fedbuff", "buffer_size": 2, "min_deltas": 1, "auto_release": True}

@@ -19,6 +19,7 @@ from devices.services import cohort_create, device_transition, device_update
 from tests.training.test_delta_socket import connected
 from training.models import Assignment, Rollout
 from training.registry.services import version_create_seeded
+from training.rollouts.automatic import round_result_release
 from training.rollouts.joining import assignment_at_check_in
 from training.rollouts.lifecycle import (
     assignment_create,
@@ -29,7 +30,6 @@ from training.rollouts.lifecycle import (
     rollout_resume,
     rollout_start,
     rollout_tick,
-    round_result_release,
 )
 
 TWO_PHASES = [{"percent": 50, "min_soak_seconds": 60}, {"percent": 100, "min_soak_seconds": 0}]

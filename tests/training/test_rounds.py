@@ -388,6 +388,7 @@ def test_a_round_whose_aggregation_task_was_lost_is_aggregated_again_once(
     assert done.stats["deltas"] == 3 == Delta.objects.filter(round=done, state=Delta.State.AGGREGATED).count()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_an_aggregation_that_finds_the_database_refusing_connections_is_tried_again_and_makes_one_version(
     trained, celery_worker_process, monkeypatch, make_user

@@ -20,6 +20,7 @@ from training.models import AdapterVersion, Delta, Round
 from training.registry.services import adapter_create, adapter_set_aggregation, base_model_create, version_create_seeded
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_killed_mid_aggregation_and_restarted_makes_exactly_one_version(
     cohort, enrolled, shared_blob_root, settings

@@ -40,6 +40,7 @@ from training.federation.rounds import round_close, round_open, round_rerun
 from training.filters import RoundFilterSet
 from training.models import Adapter, Delta, Round
 from training.registry.services import adapter_set_aggregation
+from training.selectors import rejected_meanwhile_count
 
 CHUNK = 1024 * 1024
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -138,7 +139,7 @@ def _round_queryset():
         Round.objects.select_related("adapter", "base_version", "result_version")
         .annotate(
             accepted=Count("deltas", filter=Q(deltas__state__in=("accepted", "aggregated"))),
-            rejected=Count("deltas", filter=Q(deltas__state="rejected")),
+            rejected=rejected_meanwhile_count(),  # a rejected delta never joins a round: the page's figure
         )
         .order_by("-created_at", "-id")
     )
@@ -151,6 +152,7 @@ class RoundViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
     write_role = Role.OPERATOR
     serializer_class = RoundSerializer
     filterset_class = RoundFilterSet
+    search_fields = ["adapter__name", "strategy", "close_reason"]
 
     def get_queryset(self):
         return _round_queryset()

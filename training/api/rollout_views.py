@@ -45,6 +45,7 @@ class RolloutViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     read_role = Role.VIEWER
     write_role = Role.OPERATOR
     filterset_class = RolloutFilterSet
+    search_fields = ["version__adapter__name", "cohort__name"]
 
     def get_queryset(self):
         counts = {f"n_{state}": count for state, count in _COUNTS.items()}

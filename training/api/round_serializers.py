@@ -48,8 +48,16 @@ class RoundSerializer(serializers.ModelSerializer):
     adapter = serializers.CharField(source="adapter.name", read_only=True)
     base_version = serializers.IntegerField(source="base_version.number", read_only=True)
     result_version = serializers.SerializerMethodField()
-    accepted = serializers.IntegerField(read_only=True, default=None)
-    rejected = serializers.IntegerField(read_only=True, default=None)
+    accepted = serializers.IntegerField(
+        read_only=True, default=None, help_text="deltas that joined this round, accepted or already aggregated"
+    )
+    rejected = serializers.IntegerField(
+        read_only=True,
+        default=None,
+        help_text="deltas for the round's adapter received while the round collected (from its opening to its "
+        "close, or now while it collects) and rejected; a rejected delta never joins a round. The dashboard "
+        "shows this as 'rejected meanwhile'",
+    )
     aggregation_seconds = serializers.FloatField(
         read_only=True,
         allow_null=True,

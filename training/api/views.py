@@ -153,6 +153,7 @@ class AdapterVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, vi
     serializer_class = AdapterVersionSerializer
     queryset = AdapterVersion.objects.select_related("adapter", "parent")
     filterset_fields = ["adapter__name", "state", "source"]
+    search_fields = ["adapter__name", "note", "blob_sha256"]
 
     def _transition(self, request, action_name):
         data = VersionActionSerializer(data=request.data)

@@ -25,6 +25,17 @@ from edge_agent.protocol import PERSONALIZATION_DEFAULTS, PERSONALIZATION_METHOD
 
 METHODS = PERSONALIZATION_METHODS
 MAX_PRIVATE_MODULES = 64
+# The settings each method reads on the device (edge_agent.personal: ``derive``, ``released_rows``,
+# ``personalize``, ``choose``): every method that makes a model of its own trains it (epochs, lr) and judges
+# it (margin, min_val_samples); only ditto pulls it (lambda) and releases classes; only private_modules names
+# modules. Under "none" nothing is made, so no setting applies.
+_OWN_MODEL = ("epochs", "lr", "margin", "min_val_samples")
+SETTINGS_BY_METHOD: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "finetune": _OWN_MODEL,
+    "ditto": ("lambda", "release_classes", *_OWN_MODEL),
+    "private_modules": ("private_modules", *_OWN_MODEL),
+}
 
 PERSONALIZATION_HELP = (
     "Only the settings that differ from the defaults ("

@@ -28,6 +28,8 @@ def training_config(adapter) -> dict:
         "ffa": bool(settings_["ffa"] or settings_["strategy"] == "ffa_lora"),
         # How the device makes its own model beside the shared one (every setting, defaults resolved).
         "personalization": personalization_settings(adapter),
+        # The bound verification holds a delta's L2 norm to (norm_too_large): the device clips below it.
+        "max_norm": None if settings_["max_norm"] is None else float(settings_["max_norm"]),
     }
 
 

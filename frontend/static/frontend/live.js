@@ -71,10 +71,26 @@
     current.querySelectorAll("input[type=checkbox]:checked").forEach(function (box) {
       checked.add(box.name + "=" + box.value);
     });
+    // A table scrolled sideways (a phone) stays where the user scrolled it.
+    const scrolled = Array.prototype.map.call(current.querySelectorAll("table"), function (t) { return t.scrollLeft; });
     current.innerHTML = fresh.innerHTML;
     current.querySelectorAll("input[type=checkbox]").forEach(function (box) {
       if (checked.has(box.name + "=" + box.value)) box.checked = true;
     });
+    current.querySelectorAll("table").forEach(function (table, index) {
+      if (scrolled[index]) table.scrollLeft = scrolled[index];
+    });
+  }
+
+  function asServed(region) {
+    // The region's HTML as the server sent it: without what app.js adds on a phone (the sideways-scroll cue
+    // under a wide table, its "scrolls" mark), so a re-read with nothing new leaves it alone (and where the
+    // user scrolled the table to).
+    if (!region.querySelector(".scroll-cue, table.scrolls")) return region.innerHTML;
+    const copy = region.cloneNode(true);
+    copy.querySelectorAll(".scroll-cue").forEach(function (cue) { cue.remove(); });
+    copy.querySelectorAll("table.scrolls").forEach(function (table) { table.classList.remove("scrolls"); });
+    return copy.innerHTML;
   }
 
   function refresh() {
@@ -97,7 +113,7 @@
           const fresh = doc.getElementById(region.id);
           if (!fresh) return;
           if (busy(region)) { deferred = true; return; }
-          if (fresh.innerHTML !== region.innerHTML) swap(region, fresh);
+          if (fresh.innerHTML !== asServed(region)) swap(region, fresh);
         });
         if (deferred) dirty = true;
         document.body.dataset.liveRefreshed = String(Date.now());

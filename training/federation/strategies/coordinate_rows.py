@@ -41,7 +41,8 @@ def side_by_side(n: int) -> int:
 # from 513 on (its vectorized sort takes a short row in one sorting network; 1.14 at 512, 4.3 at 513, 5.4 at 1,000
 # on a 2-core AMD EPYC host, the same with numpy 2.2 to 2.4, ``partition`` no faster). A longer row is sorted as
 # two halves and the order statistics a rule needs are read across them (``SortedHalves``): 1.7 ns a value at
-# N = 1,000 for the median, 3.1 for the trimmed mean (bench/README.md, "Measured: the rows sorted in halves").
+# N = 1,000 for the median, 3.1 for the trimmed mean (bench/README.md as of 9a8d7eb, "Measured: the rows sorted
+# in halves").
 SORTED_RUN = 512
 
 

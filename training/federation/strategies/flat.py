@@ -149,7 +149,7 @@ def assemble_spans(parts, *, spec, inputs) -> dict[str, torch.Tensor]:
     """The aggregated delta from its spans' values (``coordinate_spans``, in span order: a list or any
     iterable of float32 tensors), one float32 tensor per spec key. A key whose coordinates lie within one part is
     a view of that part, no copy (a chord's parts are mapped from their blobs, so the callback makes no new
-    memory for them: new pages cost this host more than the copying; bench/README.md, "Measured: the spans
+    memory for them: new pages cost this host more than the copying; bench/README.md as of 9a8d7eb, "Measured: the spans
     joined in place"); a key across two parts is copied into its own tensor."""
     order = CoordinateOrder.of(check_spec(spec), check_inputs(inputs)[0].path)
     out: dict[str, torch.Tensor] = {}
@@ -393,7 +393,7 @@ SUM_COLUMNS = 1 << 18
 
 # Deltas added into a block in one pass over it by the compiled loop (its most): the block's sums are read and
 # written once per group rather than once per delta (100 x 1M: 0.076 to 0.081 s for the reads and additions,
-# against 0.087 to 0.100 one delta at a time; bench/README.md, "Measured: the sum compiled").
+# against 0.087 to 0.100 one delta at a time; bench/README.md as of 9a8d7eb, "Measured: the sum compiled").
 SUM_GROUP = 4
 
 
