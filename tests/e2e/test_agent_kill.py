@@ -58,7 +58,7 @@ from tests.e2e.support import ROOT, drop_stack, free_port, kill, stack_env, star
 from tests.e2e.test_agent_lifecycle import _agent, _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 SEED = int(os.environ.get("KILL_TEST_SEED", "20261123"))
 RANDOM_KILLS = 20

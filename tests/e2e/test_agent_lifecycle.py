@@ -40,7 +40,7 @@ OFFLINE_AFTER = 4
 FLUSH_EVERY = 1
 MAX_BACKOFF = 2
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 # --- processes ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from tests.e2e.test_agent_lifecycle import _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 from tests.e2e.test_rollout_lifecycle import _import, _running, _wait, enroll_agents, released_digits_adapter, run_agent
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 DEVICES = 3
 ANSWERS = 10  # each user's answers on each version: 5 make a rate
 

@@ -27,7 +27,7 @@ from tests.e2e.support import drop_stack, free_port, stack_env, start_launcher, 
 from tests.e2e.test_agent_lifecycle import _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 DEVICES = 12
 WATCH_SECONDS = 240  # a minute past the three minutes after which the old demo ran dry
 # The fleet's learning is judged over rounds, not seconds: a slower host makes fewer rounds in WATCH_SECONDS

@@ -26,7 +26,7 @@ from tests.e2e.support import drop_stack, free_port, stack_env, start_launcher, 
 from tests.e2e.test_agent_lifecycle import _Api
 from tests.e2e.test_federated_round import _admin_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 DEVICES = 20
 WEB_PROCESSES = 3
 

@@ -24,7 +24,7 @@ from edge_agent.delta import decode_tensor, read_encoding
 from tests.e2e.support import ROOT, drop_stack, free_port, kill, spawn, stack_env, start_launcher, stop_launcher
 from tests.e2e.test_agent_lifecycle import _agent, _Api, _say
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 DEVICES = 3
 
 

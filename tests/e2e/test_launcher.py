@@ -24,7 +24,7 @@ import pytest
 
 from tests.e2e.support import ROOT, drop_stack, free_port, stack_env, start_launcher, stop_launcher, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def _get_json(opener, url: str) -> tuple[int, dict]:

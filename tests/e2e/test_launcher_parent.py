@@ -23,7 +23,7 @@ import pytest
 from fleet.parent_watch import ParentWatch
 from tests.e2e.support import await_ready, drop_stack, free_port, launcher_argv, spawn, stack_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 # make keeps a SIGINT its starter ignored (a test run in the background has it ignored); a terminal's
 # make has it at the default, so the wrapper sets that before it becomes make.

@@ -54,7 +54,7 @@ from tests.e2e.support import (
 )
 from tests.e2e.test_agent_lifecycle import _agent, _Api, _say
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(720)]
 
 COHORT = "own-lab"
 SAMPLES = 200

@@ -24,7 +24,7 @@ from tests.e2e.support import drop_stack, free_port, kill, spawn, stack_env, sta
 from tests.e2e.test_agent_lifecycle import _agent, _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 DEVICES = 4
 
 
