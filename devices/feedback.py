@@ -20,7 +20,8 @@ from django.utils import timezone
 
 from devices.models import Device
 from devices.socket_hooks import training_side
-from edge_agent.wire import Feedback, validated
+from edge_agent.wire import validated
+from edge_agent.wire_reports import Feedback
 
 MIN_ANSWERS = 5  # answers a correction rate is shown and guarded on from
 SAMPLE_COUNTS = ("samples", "unlabeled_samples")  # stored with the counts, never a reason to store them

@@ -18,7 +18,8 @@ from django.db import transaction
 
 from core.live import LiveEvent, publish
 from devices.models import Device, PersonalizationReport
-from edge_agent.wire import Personal, validated
+from edge_agent.wire import validated
+from edge_agent.wire_reports import Personal
 from edge_agent.wire_types import EARLIEST_TIME
 
 SERVING = ("personal", "shared")
@@ -26,7 +27,7 @@ MAX_SAMPLES = 10**9
 EARLIEST_MEASUREMENT = EARLIEST_TIME
 # A measurement further ahead of the server's clock than this is refused: a device with its clock far ahead
 # would otherwise hide every later measurement behind that one. (The other bounds are the model's,
-# ``edge_agent.wire.Personal``.)
+# ``edge_agent.wire_reports.Personal``.)
 MAX_CLOCK_AHEAD_SECONDS = 86400
 
 

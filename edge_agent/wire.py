@@ -8,7 +8,8 @@ the documents are generated from, and its errors name the field's path, which th
 client that got a message wrong. Strict mode throughout: ``true`` is not a number, ``1.0`` is not a whole
 number and ``"1"`` is neither, as a client in any language would expect of a contract.
 
-The value types (hashes, keys, ids, times, metrics) and the models' bases are in ``edge_agent.wire_types``.
+The value types (hashes, keys, ids, times, metrics) and the models' bases are in ``edge_agent.wire_types``; what a
+heartbeat reports of the device's own model and of its users' feedback is in ``edge_agent.wire_reports``.
 Transport messages ignore fields they do not define (a newer peer may add some); the signed objects a device
 makes (the hello, the token request, the delta envelope) refuse any field they do not define, since every byte of
 them is signed.
@@ -34,6 +35,7 @@ from edge_agent.protocol import (
     SUPPORTED_PROTOCOLS,
     MessageType,
 )
+from edge_agent.wire_reports import Feedback, Personal
 from edge_agent.wire_types import (
     MAX_SAFE_INTEGER,
     AdapterName,
@@ -106,56 +108,6 @@ class Hello(_Message):
     )
     agent_version: Annotated[str, StringConstraints(max_length=32)] = ""
     hardware: Annotated[dict[str, str | int | float | bool | None], Field(max_length=16)] = Field(default_factory=dict)
-
-
-class Personal(_Message):
-    """The device's latest measurement of its own model against the shared version, both on local samples that
-    neither was trained on (the bundled agent holds out every 10th sample it collects for this)."""
-
-    adapter: AdapterName
-    version: Positive = Field(description="the shared version installed and measured")
-    method: Literal[PERSONALIZATION_METHODS]  # type: ignore[valid-type]
-    serving: Literal["personal", "shared"]
-    shared_accuracy: Annotated[Number, Field(ge=0, le=1)]
-    personal_accuracy: Annotated[Number, Field(ge=0, le=1)]
-    val_samples: Annotated[int, Field(ge=0, le=10**9, description="how many held-out samples both were measured on")]
-    trained_samples: Annotated[int, Field(ge=0, le=10**9, description="the last personal pass's training slice")]
-    shared_only_right: Annotated[int, Field(ge=0, le=10**9)] | None = Field(
-        default=None, description="distinct held samples the shared version gets right and the personal model wrong"
-    )
-    personal_only_right: Annotated[int, Field(ge=0, le=10**9)] | None = Field(
-        default=None, description="distinct held samples the personal model gets right and the shared version wrong"
-    )
-    updated_at: EpochSeconds = Field(description="when it was measured; at most a day ahead of the server's clock")
-
-
-MAX_COUNT = 10**9  # answers or samples a heartbeat counts: far above what a device keeps, far below 2**53
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-
-
-class VersionFeedback(_Message):
-    """The answers of one installed version that the device's users confirmed and corrected, whichever model
-    (personal or shared) gave them; each answer takes feedback once."""
-
-    version: Positive = Field(description="the shared version installed when the answers were given")
-    confirmed: Count = Field(description="answers a user gave the predicted label: right")
-    corrected: Count = Field(description="answers a user gave another label: wrong")
-
-
-class Feedback(_Message):
-    """What the device's users said of its answers (``edge_agent.feedback``): counts since each version was
-    installed, never the answers or their inputs, which stay on the device."""
-
-    adapter: AdapterName
-    current: VersionFeedback = Field(description="the version installed now")
-    previous: VersionFeedback | None = Field(
-        default=None, description="the version it ran before the current one, if any (a different version)"
-    )
-    feedback_samples: Count = Field(description="labelled samples stored from feedback on the adapter's answers")
-    samples: Count = Field(description="labelled samples the device holds, of every origin")
-    unlabeled_samples: Count | None = Field(
-        default=None, description="unlabeled samples the device holds (absent from agents before them: none reported)"
-    )
 
 
 class HeartbeatState(_Message):

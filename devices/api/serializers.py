@@ -8,7 +8,7 @@ from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken, Persona
 from devices.personalization import EARLIEST_MEASUREMENT, MAX_SAMPLES, SERVING
 from devices.presence import MAX_METRICS
 from edge_agent.protocol import PERSONALIZATION_METHODS as METHODS
-from edge_agent.wire import MAX_COUNT
+from edge_agent.wire_reports import MAX_COUNT
 
 
 class CohortSerializer(StrictTypesMixin, serializers.ModelSerializer):

@@ -347,7 +347,8 @@ def test_the_heartbeat_counts_the_unlabeled_samples(asking):
     beat = DeviceRuntime(home=home, state=state, key=load_or_create_key(home), config=config).heartbeat()
     assert beat["feedback"]["unlabeled_samples"] == 9 and beat["feedback"]["samples"] == 0
     from edge_agent.feedback import Answers
-    from edge_agent.wire import Feedback, validated
+    from edge_agent.wire import validated
+    from edge_agent.wire_reports import Feedback
 
     assert validated(Feedback, beat["feedback"], what="feedback").to_dict()["unlabeled_samples"] == 9
     older = heartbeat_feedback(Answers(home), asking.adapters.state(), 0)  # (what an agent before it sent)
