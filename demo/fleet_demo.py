@@ -7,6 +7,9 @@ tokens. ``run_fleet`` then runs N full agents in this one process, each with its
 outbox, non-IID data shard and power state: they enroll over HTTP, connect over the WebSocket, train,
 upload, install new versions and report metrics. Some go offline now and then and come back, some run on
 battery, and the last one is misbehaving (its updates are blown up 10,000 times, so the server rejects them).
+Each device has a user too (``_user``): now and then its application asks the served model about a few digits
+the user writes (``Agent.predict``), and the user corrects some wrong answers and confirms some right ones
+(``Agent.feedback_many``), so the dashboard shows what users say of each version (correction rates).
 
 The devices' homes (``DATA_DIR/demo/device-NN``: key, ``agent.json``, outbox, checkpoints) outlive a run, so a
 restart finds the fleet as it left it. A home is bound to the server it enrolled with (``agent.json``'s URL) and
@@ -33,11 +36,13 @@ from safetensors.torch import save as save_safetensors
 
 from devices.models import Cohort, Device, DeviceStatus
 from devices.services import cohort_create, device_transition, enrollment_token_create
+from edge_agent.api import Agent, NotReady
 from edge_agent.assignments import AssignmentHandler
 from edge_agent.connection import AgentConnection, Backoff
 from edge_agent.enroll import enroll
 from edge_agent.families import get_family
 from edge_agent.families.common import pretrain
+from edge_agent.feedback import FeedbackError
 from edge_agent.identity import KEY_FILE, STATE_FILE, AgentState, load_or_create_key, public_key_b64
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.rest import DeviceSession
@@ -54,6 +59,12 @@ ADAPTER = "digits-lora"
 BASE_CONFIG = {"seed": 1}
 FACTORY_FRACTION = 0.03  # of the digits train set; devices draw their shards from the rest
 ENROLL_ATTEMPTS = 6
+# A device's user (``_user``): about every USER_EVERY_SECONDS the application asks the served model about
+# USER_ANSWERS digits the user writes; the user corrects a wrong answer CORRECTED_SHARE of the time and confirms a
+# right one CONFIRMED_SHARE of the time, and says nothing otherwise, as users do.
+USER_EVERY_SECONDS = 8.0
+USER_ANSWERS = 6
+CORRECTED_SHARE, CONFIRMED_SHARE = 0.5, 0.3
 
 
 def _say(message: str) -> None:
@@ -244,6 +255,49 @@ def reset_unbound_homes(devices: list[DemoDevice], server: str) -> list[DemoDevi
     return reset
 
 
+def _users_digits(config: AgentConfig) -> dict:
+    """The digits this device's user writes: its shard of the pool, as its user sees and names them (the same
+    data the simulated source hands the agent)."""
+    train, _ = get_family("digits-cnn").dataset({k: v for k, v in config.data.items() if k != "kind"})
+    return train
+
+
+def _user_moment(agent: Agent, digits: dict, rng: random.Random, writing: threading.Lock) -> int:
+    """The user writes a few digits, the application shows the served model's answers, and the user corrects or
+    confirms some of them. Returns how many answers the user spoke to (0 before a version is installed)."""
+    picked = [rng.randrange(len(digits["y"])) for _ in range(USER_ANSWERS)]
+    try:
+        answer = agent.predict({"x": digits["x"][picked].numpy()})
+    except NotReady:
+        return 0
+    said = []
+    for answer_id, predicted, index in zip(answer["ids"], answer["labels"], picked, strict=True):
+        label = int(digits["y"][index])
+        if rng.random() < (CONFIRMED_SHARE if predicted == label else CORRECTED_SHARE):
+            said.append((answer_id, label))
+    if said:
+        with writing:  # the store takes one writer at a time: this user's samples or the simulated source's
+            agent.feedback_many(said)
+    return len(said)
+
+
+async def _user(device: DemoDevice, config: AgentConfig, stop: asyncio.Event, writing: threading.Lock) -> None:
+    agent = Agent(device.home)
+    digits = await asyncio.to_thread(_users_digits, config)
+    rng = random.Random(10_000 + device.index)  # noqa: S311  (simulation, not crypto)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=USER_EVERY_SECONDS * rng.uniform(0.5, 1.5))
+        if stop.is_set():
+            break
+        try:
+            await asyncio.to_thread(_user_moment, agent, digits, rng, writing)
+        except FeedbackError as error:  # an answer gone meanwhile (answers_keep): the user's word is refused
+            logger.info("%s: feedback refused: %s", device.name, error)
+        except Exception:
+            logger.exception("%s: the user's feedback failed", device.name)
+
+
 async def _run_device(
     device: DemoDevice,
     server: str,
@@ -262,9 +316,10 @@ async def _run_device(
     session = DeviceSession(server=state.server, device_id=state.device_id, key=key)
     handler = AssignmentHandler(home=device.home, state=state, session=session, evaluate=runtime.evaluate_versions)
     rng = random.Random(device.index)  # noqa: S311  (simulation, not crypto)
+    writing = threading.Lock()  # the device's sample store: its simulated source (in a pass) or its user
 
     def train() -> dict:
-        with gate:  # two cores for a whole fleet: one training at a time keeps the server responsive
+        with gate, writing:  # two cores for a whole fleet: one training at a time keeps the server responsive
             if halt.is_set():  # stopped while it waited for its turn: no pass begins now
                 return {"status": "stopped"}
             return runtime.train_once()
@@ -307,6 +362,7 @@ async def _run_device(
             await task
 
     training = asyncio.create_task(trainer())
+    using = asyncio.create_task(_user(device, config, stop, writing))
     try:
         while not stop.is_set():
             if device.flaky:
@@ -321,6 +377,7 @@ async def _run_device(
                 await connected_for(None)
     finally:
         await training
+        await using
 
 
 def plan(total: int, root: Path) -> list[DemoDevice]:

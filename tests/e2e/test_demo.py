@@ -8,8 +8,8 @@ enrolls (none left dead after a failed enrollment) and trains; rounds go on comp
 seen all of its first data (the samples keep coming); the shared version starts useful (trained at the factory)
 and stays above a stated level; devices report their personal model beside the shared one (measured on samples
 neither trained on), those whose users differ (the us-wearables cohort: sensor and label names) gain by it, and
-a device that measured its own model worse serves the shared version; the misbehaving device is caught; and the
-server logs no 5xx at all.
+a device that measured its own model worse serves the shared version; the devices' users correct and confirm
+answers and the devices report it; the misbehaving device is caught; and the server logs no 5xx at all.
 """
 
 from __future__ import annotations
@@ -185,6 +185,14 @@ def test_the_demo_fleet_enrolls_every_device_keeps_learning_and_shows_personal_m
             beyond = sign_test(report["shared_only_right"], report["personal_only_right"]) <= CHANCE
             if report["val_samples"] >= 10 and beyond and report["gain_points"] <= -100 * margin:
                 assert report["serving"] == "shared", table
+
+        # Each device's user speaks to some of its answers (demo/fleet_demo.py, ``_user``): the counts reach the
+        # server and the corrected and confirmed answers are samples on the devices. (A version's own counts are
+        # small here: the demo releases a version every half minute or so, and heartbeats come every 30 s.)
+        spoken = {d["name"]: d["feedback"] for d in devices if d.get("feedback")}
+        _say(f"users' feedback: { {name: (f['current'], f['previous']) for name, f in sorted(spoken.items())} }")
+        assert len(spoken) >= DEVICES - 2, sorted(spoken)
+        assert all(f["feedback_samples"] > 0 for f in spoken.values()), spoken
 
         status, rejected = api.call("GET", "/deltas/?state=rejected&page_size=500")
         assert status == 200 and rejected["count"] >= 1  # the misbehaving device is caught
