@@ -254,6 +254,8 @@ class Agent:
         model = build_model(current["training"], tensors, self.adapters.base_path(state["base_model_sha256"]))
         about = {"serving": serving, "adapter": current["adapter"], "version": current["version"],
                  "method": personal.get("method", "none")}  # fmt: skip
+        if serving == "personal" and personal.get("earlier_version"):  # too small to judge: an earlier version
+            about["earlier_version"] = personal["earlier_version"]  # (edge_agent.small_devices)
         return stamp, model, about
 
     def _refresh(self) -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from edge_agent.assignments import AdapterStore, build_model
 from edge_agent.delta import CLIP_SHARE, clip_to_bound
 from edge_agent.families import get_family
-from edge_agent.families.common import concat
+from edge_agent.families.common import LABEL, concat
 from edge_agent.feedback import Answers, heartbeat_feedback
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.lora_layers import adapter_tensors
@@ -29,6 +29,7 @@ from edge_agent.packaging import Outbox
 from edge_agent.personal import PersonalSettings, PersonalStore, derive, hide_rows, own_start, personalize, private_keys
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.samples import SPLIT_EVERY, ReplayBuffer, SampleStore, SimulatedStream, device_split
+from edge_agent.small_devices import serve_small
 from edge_agent.training import TrainConfig, train_adapter
 from edge_agent.unlabeled import UnlabeledStore
 
@@ -275,9 +276,10 @@ class DeviceRuntime:
         self.personal.save(None, pending=pending)
         train, val, held = self._recent(count)
         base_sha = self.adapters.state()["base_model_sha256"]
+        shared = load_file(current["path"])
         outcome = personalize(
             build=lambda tensors: self._model(training, tensors, base_sha)[1],
-            shared=load_file(current["path"]),
+            shared=shared,
             personal=personal,
             train=train,
             val=val,
@@ -289,6 +291,9 @@ class DeviceRuntime:
             train_personal=train_personal,
             released=released,
         )
+        held_labels = [part[LABEL] for part in (train, val, held) if part and LABEL in part]
+        labels = torch.cat(held_labels).tolist() if held_labels else []
+        outcome, earlier = serve_small(self.personal, current, outcome, settings, labels, shared)
         measured = outcome.personal or outcome.shared
         state = self.personal.save(
             outcome.tensors,
@@ -305,7 +310,8 @@ class DeviceRuntime:
             trained_samples=len(train.get("y", ())) if train else 0,
             samples=count,
             pending=None,
-            notes=outcome.result.notes if outcome.result is not None else [],
+            notes=[*(outcome.result.notes if outcome.result is not None else []), *outcome.notes],
+            **earlier,
         )
         self.personal.start_path.unlink(missing_ok=True)
         logger.info(

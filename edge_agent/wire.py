@@ -37,6 +37,7 @@ from edge_agent.protocol import (
 )
 from edge_agent.wire_reports import Feedback, Personal
 from edge_agent.wire_types import (
+    MAX_CLASSES,
     MAX_SAFE_INTEGER,
     AdapterName,
     DeviceId,
@@ -224,7 +225,8 @@ class PersonalizationSetting(_Message):
 
 
 class TrainingConfig(_Message):
-    """How to build and train the adapter, signed with the manifest."""
+    """How to build and train the adapter, and how this version scored on the server's evaluation set; signed with
+    the manifest."""
 
     family: str
     family_config: dict[str, Any]
@@ -239,6 +241,13 @@ class TrainingConfig(_Message):
         default=None,
         description="the adapter's bound on a delta's L2 norm (norm_too_large); the agent clips its update a little "
         "below it. Absent from servers before it was sent: no bound known",
+    )
+    class_accuracy: list[Annotated[Number, Field(ge=0, le=1)] | None] | None = Field(
+        default=None,
+        max_length=MAX_CLASSES,
+        description="this version's accuracy on each class of the server's evaluation set (index: the label; null: "
+        "no sample of it). A device too small to judge versions on its own samples weighs it by its labels. "
+        "Absent: the adapter has no evaluation set",
     )
 
 

@@ -12,6 +12,7 @@ from edge_agent.protocol import MAX_DELTA_METRICS, METRIC_NAME_PATTERN, encode
 
 # JSON numbers every language reads exactly: whole numbers within IEEE-754 doubles' exact range (RFC 8785).
 MAX_SAFE_INTEGER = 2**53 - 1
+MAX_CLASSES = 10_000  # a classifier's classes a manifest's per-class figures may name
 EARLIEST_TIME = 946684800.0  # 2000-01-01T00:00:00Z: an epoch-seconds time before it is a broken clock
 
 

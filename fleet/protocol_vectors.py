@@ -153,6 +153,7 @@ def _manifest() -> dict:
                 "min_val_samples": 10,
                 "release_classes": True,
             },
+            "class_accuracy": [0.972222, 1.0, 0.5, None, 0.333333],
         },
     ).to_dict()
     signed = _signed(new, manifest, 2)

@@ -93,6 +93,21 @@ def classification_evaluate(model: nn.Module, data: dict[str, torch.Tensor], *, 
     return {"accuracy": correct / n, "loss": total_loss / n, "samples": n}
 
 
+def class_accuracy(model: nn.Module, data: dict[str, torch.Tensor], *, batch_size: int = 256) -> list[float | None]:
+    """The model's accuracy on each class of ``data`` (index: the label), ``None`` for a label below the highest
+    that has no sample: what a device weighs by its own labels to judge a version it cannot measure itself
+    (``edge_agent.personal.class_mix_accuracy``)."""
+    if not size(data) or LABEL not in data:
+        return []
+    classes = int(torch.as_tensor(data[LABEL]).max()) + 1
+    right, seen = torch.zeros(classes), torch.zeros(classes)
+    for batch, logits in batched_logits(model, data, batch_size=batch_size):
+        labels = batch[LABEL]
+        seen += torch.bincount(labels, minlength=classes)[:classes].float()
+        right += torch.bincount(labels[logits.argmax(-1) == labels], minlength=classes)[:classes].float()
+    return [round(float(r / n), 6) if n else None for r, n in zip(right.tolist(), seen.tolist(), strict=True)]
+
+
 def dirichlet_shards(labels, num_devices: int, alpha: float, seed: int = 0) -> list[np.ndarray]:
     """Split sample indices into ``num_devices`` non-IID shards: for every class, the share each device gets
     is drawn from Dirichlet(alpha) (small alpha: few classes per device). Every index lands in exactly one

@@ -4,10 +4,12 @@ import hashlib
 import time
 
 import pytest
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from devices.server_key import server_public_key_b64
 from edge_agent.download import DownloadError, download
+from edge_agent.families import get_family
 from edge_agent.manifest import ManifestRefused, verify_manifest
 from edge_agent.protocol import sign
 from training.registry.blobs import blob_read
@@ -171,3 +173,27 @@ def test_downloads_are_authorised_per_device(version, enrolled, device_token, li
     # A revoked version is no longer served.
     version_transition(version=version, action="revoke", actor=make_user("operator"))
     assert client.get(url).status_code == 404
+
+
+@pytest.mark.django_db
+def test_the_manifest_signs_the_versions_accuracy_per_class_for_devices_to_weigh_by_their_labels(version):
+    """The server's evaluation per class (``training.class_accuracy``) is stored on the version and signed into the
+    manifest: a device too small to judge versions weighs it by its labels (edge_agent.small_devices)."""
+    per_class = version.metrics["eval_class_accuracy"]
+    _, test = get_family(version.adapter.base_model.family).dataset(version.adapter.base_model.family_config)
+    counts = torch.bincount(test["y"]).tolist()
+    assert len(per_class) == len(counts) == 10 and all(0 <= value <= 1 for value in per_class)
+    overall = sum(a * n for a, n in zip(per_class, counts, strict=True)) / sum(counts)
+    assert overall == pytest.approx(version.metrics["eval_accuracy"], abs=1e-4)
+    device_id = "6a1c1c52-8f1e-4a43-9d7b-3c2f50a1e001"
+    envelope = manifest_sign(device_id=device_id, version=version, assignment_seq=5)
+    assert _check(envelope, device_id, version)["training"]["class_accuracy"] == per_class
+    lifted = {**envelope["manifest"], "training": {**envelope["manifest"]["training"], "class_accuracy": [1.0] * 10}}
+    with pytest.raises(ManifestRefused) as caught:  # a device is never told a version is better than it was judged
+        _check({"manifest": lifted, "signature": envelope["signature"]}, device_id, version)
+    assert caught.value.code == "bad_signature"
+    version.metrics = {**version.metrics, "eval_class_accuracy": [1.5] * 10}
+    bad = manifest_sign(device_id=device_id, version=version, assignment_seq=6)
+    with pytest.raises(ManifestRefused) as caught:  # signed, but not a share: refused as malformed
+        _check(bad, device_id, version)
+    assert caught.value.code == "malformed" and "class_accuracy" in str(caught.value)

@@ -58,6 +58,9 @@ def manifest_sign(
         "expires_at": round(issued + lifetime, 3),
         "training": training_config(version.adapter),
     }
+    per_class = (version.metrics or {}).get("eval_class_accuracy")
+    if per_class:  # the server's evaluation per class, which a device without a held slice weighs by its labels
+        manifest["training"]["class_accuracy"] = per_class
     envelope = {"manifest": manifest, "signature": sign(server_private_key(), manifest, protocol=protocol)}
     rotations = key_rotations()
     if rotations:  # how a device that pinned an older server key comes to trust the one that signed this
