@@ -10,6 +10,8 @@ import pytest
 from django.core.management import call_command
 from rest_framework.test import APIClient
 
+from accounts.models import User
+
 
 def _run(*args) -> str:
     out = io.StringIO()
@@ -38,7 +40,6 @@ def test_create_operator_with_api_token_prints_a_token_that_acts_with_the_new_ro
 def test_the_demo_login_is_reported_only_while_it_works(settings, tmp_path):
     settings.DATA_DIR = tmp_path
     assert _run("ensure_demo_operator", "--existing") == ""  # no demo account yet: nothing to print, none made
-    from accounts.models import User
 
     assert not User.objects.filter(username="demo").exists()
     login = _run("ensure_demo_operator").split()

@@ -4,7 +4,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 from frontend.charts import HEIGHT, PAD_BOTTOM, PAD_TOP, WIDTH, hourly_bar_chart, line_chart
-from frontend.selectors import metric_series, version_lineage
+from frontend.selectors import data_span, metric_series, version_lineage
 
 BOTTOM, TOP = HEIGHT - PAD_BOTTOM, PAD_TOP
 
@@ -66,7 +66,6 @@ def _version(pk, number, parent=None, metrics=None):
 
 
 def test_the_hourly_chart_spans_only_the_hours_with_deltas_and_a_few_bars_make_a_narrow_picture():
-    from frontend.selectors import data_span
 
     start = datetime(2025, 11, 29, 0, tzinfo=UTC)
     day = [{"hour": start + timedelta(hours=h), "total": 0, "rejected": 0} for h in range(24)]

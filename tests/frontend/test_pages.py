@@ -8,12 +8,14 @@ import re
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from devices.models import Cohort, Device, DeviceEvent, EnrollmentToken
+from devices.services import _hash
 from devices.uploads import upload_refused
 from tests.frontend.conftest import World, make_deltas, make_versions
-from training.models import Delta, TrainingEvent
+from training.models import Assignment, Delta, TrainingEvent
 
 pytestmark = pytest.mark.django_db
 RANK = {None: 0, "viewer": 1, "operator": 2, "admin": 3}
@@ -268,7 +270,6 @@ def test_bulk_without_a_selection_or_with_bad_ids_changes_nothing(pages_world, c
 
 
 def test_bulk_and_device_actions_need_csrf(pages_world, make_user):
-    from django.test import Client
 
     client = Client(enforce_csrf_checks=True)
     client.force_login(make_user("admin"))
@@ -336,7 +337,6 @@ def test_the_device_page_counts_its_rejected_deltas_beside_the_uploads_refused_a
 
 
 def test_the_device_page_shows_the_newest_assignments_and_links_to_the_rest(pages_world, client_for, make_user):
-    from training.models import Assignment
 
     device = pages_world.devices[0]
     versions = make_versions(pages_world.adapter, 8)
@@ -383,7 +383,6 @@ def test_a_new_enrollment_token_is_shown_once_and_works(pages_world, client_for)
     token = EnrollmentToken.objects.get(name="factory")
     assert token.uses_left == 3 and token.requires_approval and raw.startswith(token.prefix)
     assert raw not in admin.get("/enrollment-tokens/").content.decode()  # never shown again
-    from devices.services import _hash
 
     assert token.token_hash == _hash(raw)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from devices.models import Device
 from tests.frontend.conftest import off_loop
 from tests.frontend.test_browser import (  # noqa: F401  (world: a fixture)
     DESKTOP,
@@ -15,6 +16,8 @@ from tests.frontend.test_browser import (  # noqa: F401  (world: a fixture)
     world,
 )
 from tests.personal_support import NOW, measure
+from training.models import Assignment
+from training.rollouts.lifecycle import rollout_start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -87,8 +90,6 @@ def _assert_cards_fit(ui: Dashboard, name: str) -> None:
 
 @pytest.fixture
 def layout_world(world):  # noqa: F811
-    from training.models import Assignment
-    from training.rollouts.lifecycle import rollout_start
 
     for step in range(4):  # the device page's chart: measurements minutes apart, all on one day
         off_loop(measure, world.devices[0], at=NOW + 120 * step, shared=0.7 + step / 50, personal=0.8, version=1)
@@ -123,7 +124,6 @@ def test_the_devices_list_at_phone_width_shows_a_cue_when_its_columns_run_past_t
     server_url,  # noqa: F811
     layout_world,
 ):
-    from devices.models import Device
 
     # One unbroken word: a name with hyphens wraps at them, and then overflowed the card or not by a few pixels as
     # the other columns' texts ("last seen") came out on a loaded host.

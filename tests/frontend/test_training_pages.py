@@ -3,7 +3,9 @@ on the ``pages_world`` of conftest.py (every page for every role is in test_page
 
 from __future__ import annotations
 
+import io
 import re
+import zipfile
 from datetime import timedelta
 
 import pytest
@@ -11,8 +13,11 @@ from django.utils import timezone
 
 from devices.models import Cohort
 from tests.frontend.conftest import make_deltas, make_devices, make_versions
+from training.federation.release_gate import gate_record
 from training.federation.rounds import round_open
-from training.models import Delta, Rollout, Round, TrainingEvent
+from training.models import AdapterVersion, Assignment, Delta, Rollout, Round, TrainingEvent
+from training.registry.services import version_create_seeded
+from training.rollouts.lifecycle import device_bucket, rollout_start
 
 pytestmark = pytest.mark.django_db
 
@@ -21,7 +26,6 @@ pytestmark = pytest.mark.django_db
 
 
 def test_adapter_page_shows_lineage_with_parents_a_metrics_chart_and_export_for_operators(pages_world, client_for):
-    from training.models import AdapterVersion
 
     branch = AdapterVersion.objects.create(
         adapter=pages_world.adapter,
@@ -42,10 +46,6 @@ def test_adapter_page_shows_lineage_with_parents_a_metrics_chart_and_export_for_
 
 
 def test_the_export_link_serves_a_peft_zip_to_operators(adapter, client_for):
-    import io
-    import zipfile
-
-    from training.registry.services import version_create_seeded
 
     version = version_create_seeded(adapter=adapter, seed=1)
     response = client_for("operator").get(f"/api/v1/adapter-versions/{version.pk}/export/")
@@ -217,7 +217,6 @@ def test_a_bad_rollout_form_says_what_is_wrong_and_creates_nothing(pages_world, 
 
 
 def test_rollout_lifecycle_from_the_detail_page(pages_world, client_for):
-    from training.rollouts.lifecycle import device_bucket
 
     url = f"/rollouts/{pages_world.rollout.pk}"
     operator = client_for("operator")
@@ -243,8 +242,6 @@ def test_rollout_lifecycle_from_the_detail_page(pages_world, client_for):
 def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_thresholds(
     pages_world, client_for, make_user
 ):
-    from training.models import Assignment
-    from training.rollouts.lifecycle import rollout_start
 
     rollout_start(rollout=pages_world.rollout, actor=make_user("operator"))
     assigned = list(pages_world.rollout.assignments.all())
@@ -257,8 +254,6 @@ def test_rollout_detail_shows_phases_with_assignment_counts_and_guards_against_t
 
 
 def test_rollout_history_reads_as_sentences_and_a_personal_gain_is_in_points(pages_world, client_for, make_user):
-    from training.models import Assignment
-    from training.rollouts.lifecycle import rollout_start
 
     rollout = pages_world.rollout
     TrainingEvent.objects.create(
@@ -281,8 +276,6 @@ def test_rollout_history_reads_as_sentences_and_a_personal_gain_is_in_points(pag
 
 def _failed_candidate(pages_world):
     """A round's version worse than the best released one (pages_world's v3 at 0.75), judged as rounds judge."""
-    from training.federation.release_gate import gate_record
-    from training.models import AdapterVersion
 
     worse = AdapterVersion.objects.create(
         adapter=pages_world.adapter, number=4, parent=pages_world.versions[-1], blob_sha256="e" * 64, size=1,

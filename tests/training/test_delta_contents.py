@@ -31,6 +31,8 @@ from training.federation.delta_contents import Rejection, contents_check
 from training.federation.strategies.kernels import sum_kernel
 from training.registry.artifacts import PassedHeaders
 from training.registry.blobs import CHUNK, page_aligned
+from training.registry.services import adapter_set_aggregation
+from training.rollouts.manifests import training_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -352,8 +354,6 @@ def test_an_update_the_agent_clips_to_the_manifests_bound_passes_the_servers_nor
 
 @pytest.mark.django_db
 def test_the_manifest_carries_the_adapters_norm_bound(adapter, make_user):
-    from training.registry.services import adapter_set_aggregation
-    from training.rollouts.manifests import training_config
 
     assert training_config(adapter)["max_norm"] == 1000.0
     adapter_set_aggregation(adapter=adapter, actor=make_user("admin"), aggregation={"max_norm": 2.5})
