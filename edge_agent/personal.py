@@ -54,6 +54,7 @@ from edge_agent.families.common import LABEL, batched_logits, concat, size
 from edge_agent.identity import atomic_write
 from edge_agent.lora_layers import PREFIX, adapter_parameters, load_adapter_tensors
 from edge_agent.protocol import PERSONALIZATION_DEFAULTS, PERSONALIZATION_METHODS
+from edge_agent.pseudo_labels import UNLABELED_METHODS, pseudo_labelled
 from edge_agent.training import TrainConfig, TrainResult, train_adapter
 
 logger = logging.getLogger("edge_agent.personal")
@@ -65,6 +66,7 @@ SURE = 0.9  # the shared version's mean top-class probability on those samples, 
 # 20 epochs (5 where rows were released) left devices whose sensor or names differ 2 to 10 points below a plain
 # local fine-tune that stops so (bench/README.md, "fleet_learning.py").
 PATIENCE = 5
+PSEUDO_RATIO = 1  # pseudo-labelled samples a personal pass adds at most, per labelled training sample
 CHANCE = 0.05  # choose: the sign test's level below which the held slice says the shared version is better
 REPEAT = 0.1  # held samples whose inputs differ by less than this share of their size count once (repeats)
 MAX_GROUPED = 2000  # repeats: above this many held samples, each counts (a distance matrix of 16 MB)
@@ -86,6 +88,8 @@ class PersonalSettings:
     min_val_samples: int = PERSONALIZATION_DEFAULTS["min_val_samples"]
     # ditto: no pull on the classifier rows the device's labels contradict
     release_classes: bool = PERSONALIZATION_DEFAULTS["release_classes"]
+    unlabeled: str = PERSONALIZATION_DEFAULTS["unlabeled"]  # the personal pass's unlabeled samples (pseudo_labels)
+    confidence: float = PERSONALIZATION_DEFAULTS["confidence"]
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -94,6 +98,10 @@ class PersonalSettings:
             raise ValueError("personalization lambda must be >= 0 and lr > 0, both finite")
         if not isinstance(self.release_classes, bool):
             raise ValueError("personalization release_classes must be true or false")
+        if self.unlabeled not in UNLABELED_METHODS or not 0 < self.confidence <= 1:
+            raise ValueError(
+                f"personalization unlabeled must be one of {list(UNLABELED_METHODS)}, confidence in (0, 1]"
+            )
 
     @classmethod
     def from_training(cls, training: dict | None) -> PersonalSettings:
@@ -355,12 +363,15 @@ def personalize(
     replay=None,
     train_personal: bool = True,
     released: dict[str, list[int]] | None = None,
+    unlabeled: dict | None = None,
 ) -> PersonalOutcome:
     """One personal pass on the device's data: start from ``derive(shared, personal)``, train on ``train`` as the
     method says, judged on ``val`` and then refit on both (unless ``train_personal`` is false: then only
     measure), measure both models on ``held`` and choose. ``held`` is what neither this pass nor any earlier one
     of either model trained on (``device_split``), so the two figures and the gain between them are held out.
     ``released``: the rows ``own_start`` found for the same shared version and data (else found here).
+    ``unlabeled``: the newest samples without a label, which join ``train`` pseudo-labelled where the setting
+    says so (``edge_agent.pseudo_labels``), never ``val`` or ``held``.
     ``build(tensors)`` gives the base model carrying those adapter tensors. Used by the runtime and, on the
     same code path, by ``bench/personalization.py``."""
     shared_model = build(shared).eval()
@@ -388,6 +399,19 @@ def personalize(
         run = replace(config, epochs=epochs, lr=settings.lr, update_replay=False, metric="loss", min_delta=0.0,
                       patience=PATIENCE, refit=True, restrict_classes=False,
                       judge_min_samples=settings.min_val_samples)  # fmt: skip
+        guessing = settings.unlabeled == "pseudo_label" and bool(unlabeled) and size(train) > 0
+        if guessing:  # first on the labelled samples alone (no refit: the validation slice judges both stages)
+            first = train_adapter(model, train, val, config=replace(run, refit=False, checkpoint_dir=None),
+                                  family=family, replay=replay, penalty=penalty)  # fmt: skip
+            mine = set(
+                torch.cat([train[LABEL], val[LABEL]]).tolist() if val and LABEL in val else train[LABEL].tolist()
+            )
+            guessed = pseudo_labelled(model, unlabeled, confidence=settings.confidence, classes=mine,
+                                      limit=PSEUDO_RATIO * size(train))  # fmt: skip
+            if guessed:  # then on them and what the model so trained is sure of, from where it got to
+                train = concat([train, guessed])
+                notes += [*first.notes, f"{size(guessed)} unlabeled samples pseudo-labelled by the model trained on "
+                          f"the labelled ones (at least {settings.confidence:.0%} sure)"]  # fmt: skip
         result = train_adapter(model, train, val, config=run, family=family, replay=replay, penalty=penalty)
         result.notes[:0] = notes
     tensors = {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model).items()}

@@ -34,6 +34,7 @@ from edge_agent.training import TrainConfig, train_adapter
 from edge_agent.unlabeled import UnlabeledStore
 
 logger = logging.getLogger("edge_agent.runtime")
+UNLABELED_PER_PASS = 240  # unlabeled samples a personal pass reads at most, where no train_window is set
 CONFIG_FILE = "settings.json"
 LAST_TRAINING_FILE = "last_training.json"
 TRAINING_RUN_FILE = "training_run.json"  # the samples a training pass uses, until it has ended
@@ -246,6 +247,14 @@ class DeviceRuntime:
             **{**defaults, **self.config.train, "checkpoint_dir": checkpoint_dir, "should_stop": self.stopping.is_set}
         )
 
+    def _unlabeled(self, settings: PersonalSettings) -> dict | None:
+        """The newest unlabeled samples, as many as a pass's labelled window (``train_window``, else 240), for the
+        personal pass to pseudo-label where the setting says so (``edge_agent.pseudo_labels``)."""
+        if settings.unlabeled == "none":
+            return None
+        store = UnlabeledStore.of(self.home, self.config)
+        return store.load_recent(int(self.config.train_window or UNLABELED_PER_PASS)) or None
+
     def _replay(self) -> ReplayBuffer:
         return ReplayBuffer(self.home / "replay.npz", seed=int(self.config.data.get("device_index", 0)))
 
@@ -290,6 +299,7 @@ class DeviceRuntime:
             replay=self._replay(),
             train_personal=train_personal,
             released=released,
+            unlabeled=self._unlabeled(settings),
         )
         held_labels = [part[LABEL] for part in (train, val, held) if part and LABEL in part]
         labels = torch.cat(held_labels).tolist() if held_labels else []

@@ -30,11 +30,13 @@ from pydantic import (
 
 from edge_agent.protocol import (
     DELTA_CHUNK_BYTES,
+    PERSONALIZATION_DEFAULTS,
     PERSONALIZATION_METHODS,
     PROTOCOL_VERSION,
     SUPPORTED_PROTOCOLS,
     MessageType,
 )
+from edge_agent.pseudo_labels import UNLABELED_METHODS
 from edge_agent.wire_reports import Feedback, Personal
 from edge_agent.wire_types import (
     MAX_CLASSES,
@@ -220,6 +222,12 @@ class PersonalizationSetting(_Message):
     margin: Annotated[Number, Field(ge=0, le=1)]
     min_val_samples: Annotated[int, Field(ge=0, le=10000)]
     release_classes: bool
+    unlabeled: Literal[UNLABELED_METHODS] = Field(  # type: ignore[valid-type]
+        default=PERSONALIZATION_DEFAULTS["unlabeled"],
+        description="what the personal model learns from unlabeled samples: pseudo_label (what the model trained on "
+        "the labelled ones is at least `confidence` sure of) or none. Absent (servers before it): the default",
+    )
+    confidence: Annotated[Number, Field(gt=0, le=1)] = PERSONALIZATION_DEFAULTS["confidence"]
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True, populate_by_name=True)
 

@@ -216,6 +216,14 @@ class PersonalizationForm(forms.Form):
     private_modules = forms.CharField(
         required=False, max_length=2000, help_text="Comma separated; kept on the device by the private_modules method."
     )
+    unlabeled = forms.ChoiceField(
+        choices=[("pseudo_label", "pseudo_label: learn what the model is sure of"), ("none", "none: labelled only")],
+        label="Unlabeled samples",
+        help_text="What the own model learns from the samples nobody labelled.",
+    )
+    confidence = forms.FloatField(
+        min_value=0.01, max_value=1, help_text="How sure (0 to 1) the model must be of an unlabeled sample's label."
+    )
     release_classes = forms.BooleanField(
         required=False,
         label="Release contradicted classes",
@@ -230,7 +238,18 @@ class PersonalizationForm(forms.Form):
         # "lambda" is a Python keyword: the field is added under its name rather than declared.
         self.fields["lambda"] = forms.FloatField(min_value=0, label="Lambda", help_text="Ditto's proximal weight.")
         self.order_fields(
-            ["method", "lambda", "release_classes", "epochs", "lr", "margin", "min_val_samples", "private_modules"]
+            [
+                "method",
+                "lambda",
+                "release_classes",
+                "epochs",
+                "lr",
+                "margin",
+                "min_val_samples",
+                "unlabeled",
+                "confidence",
+                "private_modules",
+            ]
         )
 
     def clean_private_modules(self):

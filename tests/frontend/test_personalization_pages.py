@@ -29,6 +29,8 @@ FORM = {  # the defaults (PERSONALIZATION_DEFAULTS), as the page's form posts th
     "min_val_samples": "10",
     "private_modules": "head",
     "release_classes": "on",
+    "unlabeled": "none",
+    "confidence": "0.95",
 }
 
 
@@ -151,6 +153,11 @@ def test_an_operator_changes_the_setting_with_the_form_and_it_is_audited(client_
     adapter.refresh_from_db()
     assert adapter.personalization == {"release_classes": False}
     assert "pulled like every other class" in _text(operator.get(f"/adapters/{adapter.pk}/"))
+    pseudo = operator.post(f"/adapters/{adapter.pk}/", {**FORM, "unlabeled": "pseudo_label", "confidence": "0.9"})
+    assert pseudo.status_code == 302
+    adapter.refresh_from_db()
+    assert adapter.personalization == {"unlabeled": "pseudo_label", "confidence": 0.9}
+    assert "at least 90.0% sure (pseudo-labels" in _text(operator.get(f"/adapters/{adapter.pk}/"))
 
 
 @pytest.mark.parametrize(
@@ -169,6 +176,9 @@ def test_an_operator_changes_the_setting_with_the_form_and_it_is_audited(client_
         ({"private_modules": "decoder"}, "not among the adapter&#x27;s target_modules or modules_to_save"),
         ({"method": "private_modules", "private_modules": ""}, "needs at least one module"),
         ({"method": ""}, "This field is required"),
+        ({"unlabeled": "guess"}, "Select a valid choice"),
+        ({"confidence": "1.5"}, "less than or equal to 1"),
+        ({"confidence": "0"}, "greater than or equal to 0.01"),
     ],
 )
 def test_each_bad_form_value_is_refused_on_the_page_and_changes_nothing(client_for, adapter, change, message):

@@ -12,7 +12,9 @@ locally), ``ditto`` (a personal model kept near the shared one by a proximal ter
 the classifier rows of the classes a device's labels rename, which are then the device's own and never uploaded,
 unless ``release_classes`` is false), ``private_modules`` (the modules named in ``private_modules`` stay on the
 device and are never uploaded). ``epochs`` and ``lr`` are the personal model's training; the device serves it only
-when it beats the shared version by ``margin`` on at least ``min_val_samples`` held-out local samples.
+when it beats the shared version by ``margin`` on at least ``min_val_samples`` held-out local samples. ``unlabeled``
+says what the personal model learns from the samples nobody labelled: ``pseudo_label`` (what the model trained on
+the labelled ones is at least ``confidence`` sure of; edge_agent.pseudo_labels) or ``none``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from edge_agent.protocol import PERSONALIZATION_DEFAULTS, PERSONALIZATION_METHODS
+from edge_agent.pseudo_labels import UNLABELED_METHODS
 
 METHODS = PERSONALIZATION_METHODS
 MAX_PRIVATE_MODULES = 64
@@ -29,7 +32,7 @@ MAX_PRIVATE_MODULES = 64
 # ``personalize``, ``choose``): every method that makes a model of its own trains it (epochs, lr) and judges
 # it (margin, min_val_samples); only ditto pulls it (lambda) and releases classes; only private_modules names
 # modules. Under "none" nothing is made, so no setting applies.
-_OWN_MODEL = ("epochs", "lr", "margin", "min_val_samples")
+_OWN_MODEL = ("epochs", "lr", "margin", "min_val_samples", "unlabeled", "confidence")
 SETTINGS_BY_METHOD: dict[str, tuple[str, ...]] = {
     "none": (),
     "finetune": _OWN_MODEL,
@@ -63,6 +66,8 @@ PERSONALIZATION_SCHEMA: dict[str, Any] = {
         "margin": {"type": "number", "minimum": 0, "maximum": 1},
         "min_val_samples": {"type": "integer", "minimum": 0, "maximum": 10000},
         "release_classes": {"type": "boolean"},
+        "unlabeled": {"type": "string", "enum": list(UNLABELED_METHODS)},
+        "confidence": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
     },
 }
 
@@ -108,6 +113,10 @@ def validate_personalization(values: Any, *, modules: Iterable[str] | None) -> d
         raise ValueError("min_val_samples must be a whole number from 0 to 10000")
     if not isinstance(merged["release_classes"], bool):
         raise ValueError("release_classes must be true or false")
+    if merged["unlabeled"] not in UNLABELED_METHODS:
+        raise ValueError(f"unlabeled must be one of {', '.join(UNLABELED_METHODS)}, not {merged['unlabeled']!r}")
+    if not _number(merged["confidence"]) or not 0 < merged["confidence"] <= 1:
+        raise ValueError("confidence must be a number above 0 and at most 1")
     return dict(values)
 
 
