@@ -48,7 +48,7 @@ PERSONALIZATION_DEFAULTS: dict[str, Any] = {
     "release_classes": True,
     # "pseudo_label": the personal pass also trains on unlabeled samples that the model trained on the labelled ones
     # is at least ``confidence`` sure of (edge_agent/pseudo_labels.py). Off by default: with 10% of the digits
-    # fleet's samples labelled it lowered the served model by 0.7 to 1.1 points (bench/README.md, "unlabeled.py")
+    # fleet's samples labelled it lowered the served model by 1.9 points (bench/README.md, "unlabeled.py")
     "unlabeled": "none",
     "confidence": 0.95,
 }

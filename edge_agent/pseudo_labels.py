@@ -12,9 +12,9 @@ the device's users. A user's label always wins: a sample a user labels leaves th
 does not use them: a pseudo-label carries the device's own names for its classes, which the shared head must not
 learn (``release_classes``).
 
-Why it is off by default: on the digits fleet's harsh split with 10% of each device's samples labelled, the
-personal model trained on the labelled ones alone is already within 0 to 6 points of one trained with every label,
-and pseudo-labels lowered the served model by 0.7 to 1.1 points on average (bench/README.md, "unlabeled.py").
+Why it is off by default: on the digits fleet's harsh split with 10% of each device's samples labelled, it lowered
+the served model by 1.9 points on average on the held-out seeds (-5.4 on one, +1.7 on the other; own-sensor devices
+gained a little, the others lost), where every label would have added 5.3 (bench/README.md, "unlabeled.py").
 """
 
 from __future__ import annotations

@@ -26,7 +26,16 @@ from edge_agent.feedback import Answers, heartbeat_feedback
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.lora_layers import adapter_tensors
 from edge_agent.packaging import Outbox
-from edge_agent.personal import PersonalSettings, PersonalStore, derive, hide_rows, own_start, personalize, private_keys
+from edge_agent.personal import (
+    PersonalSettings,
+    PersonalStore,
+    derive,
+    hide_rows,
+    own_start,
+    personalize,
+    private_keys,
+    proximal_penalty,
+)
 from edge_agent.power import PowerState, SimulatedPower, SysfsPower, TrainingPolicy
 from edge_agent.samples import SPLIT_EVERY, ReplayBuffer, SampleStore, SimulatedStream, device_split
 from edge_agent.small_devices import serve_small
@@ -401,9 +410,11 @@ class DeviceRuntime:
         count = self._pass_samples(current)
         train, val, _ = self._recent(count)
         rows = own_start(model, started, mine, train, settings, family)  # ditto: this user's own names
+        mu = float(training.get("proximal_mu") or 0.0)  # FedProx: mu/2 ||w - w_start||^2, w_start what it starts from
+        anchor = proximal_penalty(model, adapter_tensors(model), mu) if mu > 0 else None
         result = train_adapter(
             model, train, val, config=self._train_config(self.home / "checkpoints"), family=family,
-            replay=self._replay(),
+            replay=self._replay(), penalty=anchor,
         )  # fmt: skip
         trained = adapter_tensors(model)
         personal = {}

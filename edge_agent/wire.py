@@ -250,6 +250,11 @@ class TrainingConfig(_Message):
         description="the adapter's bound on a delta's L2 norm (norm_too_large); the agent clips its update a little "
         "below it. Absent from servers before it was sent: no bound known",
     )
+    proximal_mu: Annotated[Number, Field(ge=0, le=100)] = Field(
+        default=0.0,
+        description="FedProx: the shared pass adds mu/2 times the squared distance of the adapter from where it "
+        "started (the installed version) to its loss; 0: plain training. Absent (servers before it): 0",
+    )
     class_accuracy: list[Annotated[Number, Field(ge=0, le=1)] | None] | None = Field(
         default=None,
         max_length=MAX_CLASSES,

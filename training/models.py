@@ -93,6 +93,12 @@ class AdapterVersion(models.Model):
     # The release gate's last verdict (training.federation.release_gate): {verdict, reason, metric, value,
     # reference, reference_value, margin, judged_at}; empty until it is judged.
     gate = models.JSONField(default=dict, blank=True, help_text="the release gate's last verdict on this version")
+    server_state = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="the server optimizer's moments after the round that made this version: "
+        '{"optimizer", "steps", "blob"} (training.federation.strategies.server_optimizers)',
+    )
     # The round that made this version; unique, so a round re-run after a crash can never make a second one.
     round = models.OneToOneField(
         "training.Round", on_delete=models.PROTECT, null=True, blank=True, related_name="result_version"

@@ -23,7 +23,7 @@ from training.federation.rounds import round_close, round_open, stalled_rounds
 from training.federation.verification import delta_verify
 from training.models import AdapterVersion, Delta, Round, TrainingEvent
 from training.registry.blobs import blob_read
-from training.registry.services import adapter_set_aggregation, version_create_seeded
+from training.registry.services import adapter_set_aggregation
 from training.tasks import aggregate_round, requeue_stalled_rounds, requeue_unverified_deltas
 
 
@@ -52,13 +52,6 @@ def receive(device, adapter, tensors, *, counter: int, samples: int = 10, base_v
         device=device.device, sha256=signed["envelope"]["sha256"], offset=0, data=data, channel="rest"
     )
     return state.delta
-
-
-@pytest.fixture
-def trained(adapter, cohort, enrolled):
-    adapter.cohorts.add(cohort)
-    version = version_create_seeded(adapter=adapter, seed=3)
-    return adapter, version, [enrolled("active", name=f"d{i}") for i in range(5)]
 
 
 def revoke_delayed_tasks() -> None:

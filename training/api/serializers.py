@@ -143,6 +143,7 @@ class AdapterVersionSerializer(serializers.ModelSerializer):
             "metrics",
             "state",
             "gate",
+            "server_state",
             "created_at",
         ]
         read_only_fields = fields

@@ -30,6 +30,7 @@ from training import dispatch
 from training.federation.aggregation_settings import aggregation_settings, dp_settings
 from training.federation.release_gate import FAILED, gate_record
 from training.federation.strategies import DeltaInput, get_strategy, shards
+from training.federation.strategies.server_optimizers import BETA2, LR_DEFAULTS, MOMENTUM, TAU, server_step
 from training.models import Adapter, AdapterVersion, Delta, Round
 from training.registry.blobs import blob_local_path, blob_put_bytes, blob_put_tensors, blob_read
 from training.registry.services import _next_number, _record
@@ -317,9 +318,7 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
     from training.federation.events import round_event
     from training.registry.evaluation import evaluate_tensors
 
-    lr = float(round_.params.get("server_lr", 1.0))  # the server learning rate (aggregation_settings)
-    if lr != 1.0:
-        delta = {name: tensor.float() * lr for name, tensor in delta.items()}
+    delta, server_state = _server_update(round_, delta)
     new = {name: (base[name] + delta[name].float()).contiguous() for name in sorted(base)}
     bad = [name for name, tensor in new.items() if not bool(torch.isfinite(tensor).all())]
     if bad:
@@ -356,6 +355,7 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
                     source=AdapterVersion.Source.ROUND,
                     round=round_,
                     metrics=metrics,
+                    server_state=server_state,
                     note=f"round {round_.pk}: {round_.strategy} over {len(deltas)} deltas",
                     created_at=now,
                 )
@@ -392,6 +392,31 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
             transaction.on_commit(lambda: dispatch.release_round_result(version.pk))
     logger.info("round %s made %s from %d deltas in %.2fs", round_.pk, version, len(deltas), seconds)
     return version
+
+
+def _server_update(round_: Round, delta: dict) -> tuple[dict, dict]:
+    """The update to add to the base for the aggregated ``delta``, and the server state to store with the version:
+    ``server_lr`` times it, or a server optimizer's step continuing the moments stored with the round's base
+    version (``strategies.server_optimizers``; none yet, or another optimizer's: from the start)."""
+    params, optimizer = round_.params, round_.params.get("server_optimizer")
+    if not optimizer:
+        lr = float(params.get("server_lr", 1.0))  # the server learning rate (aggregation_settings)
+        return ({name: tensor.float() * lr for name, tensor in delta.items()} if lr != 1.0 else delta), {}
+    before = round_.base_version.server_state or {}
+    same = before.get("optimizer") == optimizer and before.get("blob")
+    moments = load_safetensors(blob_read(before["blob"])) if same else None
+    update, after = server_step(
+        delta,
+        moments,
+        optimizer=optimizer,
+        lr=float(params.get("server_lr", LR_DEFAULTS[optimizer])),
+        momentum=float(params.get("server_momentum", MOMENTUM)),
+        beta2=float(params.get("server_beta2", BETA2)),
+        tau=float(params.get("server_tau", TAU)),
+    )
+    blob = blob_put_bytes(save_safetensors({k: v.contiguous() for k, v in after.items()}))
+    steps = int(before.get("steps", 0)) + 1 if same else 1
+    return update, {"optimizer": optimizer, "steps": steps, "blob": blob.sha256}
 
 
 def _spend_dp(round_: Round) -> float:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from training.federation.strategies.server_optimizers import BETA2, LR_DEFAULTS, MOMENTUM, OPTIMIZERS, TAU
+
 AGGREGATION_DEFAULTS: dict[str, Any] = {
     "strategy": "fedavg",
     "buffer_size": 8,  # K: a round closes when this many accepted deltas are in
@@ -23,6 +25,15 @@ AGGREGATION_DEFAULTS: dict[str, Any] = {
     # The share of the aggregated update applied to the base (the server learning rate); null: the strategy's own
     # (SERVER_LR_DEFAULTS).
     "server_lr": None,
+    # A server optimizer on each round's update (training.federation.strategies.server_optimizers): null (the update
+    # times server_lr), "fedavgm", "fedadagrad", "fedadam" or "fedyogi", with their momentum (beta1), beta2 and tau.
+    "server_optimizer": None,
+    "server_momentum": MOMENTUM,
+    "server_beta2": BETA2,
+    "server_tau": TAU,
+    # FedProx (Li et al. 2020): the devices' shared pass adds proximal_mu/2 ||w - w_installed||^2 to its loss,
+    # signed into the manifest's training setting; 0: plain local training.
+    "proximal_mu": 0.0,
     "shard_size": 64,  # rounds of more deltas are split across the aggregation workers (shardable strategies)
     "coordinate_shards": 4,  # robust rules over more than shard_size deltas: coordinate spans, one Celery task each
     "auto_rounds": True,  # open a round when a delta is accepted and none is collecting
@@ -52,7 +63,12 @@ STRATEGY_PARAMS = (
     "shard_size",
     "coordinate_shards",
     "server_lr",
+    "server_optimizer",
+    "server_momentum",
+    "server_beta2",
+    "server_tau",
 )
+OPTIMIZER_PARAMS = ("server_momentum", "server_beta2", "server_tau")  # a round carries them only with an optimizer
 # Nearest-neighbour mixing unless an operator says "none": Krum keeps one delta per round, and bare, on devices
 # whose data differ, it learns far less than the mean; mixed, it keeps up (bench/README.md, "poisoning.py").
 # The others are better bare, or only as good, so theirs is off.
@@ -70,7 +86,10 @@ AGGREGATION_HELP = (
     + ", ".join(AGGREGATION_DEFAULTS)
     + '. mixing is null (the strategy\'s default: "nnm" for krum, off for the rest), "none" (off) or "nnm" '
     + f"(nearest-neighbour mixing, for {', '.join(ROBUST)} only). server_lr is null (the strategy's default: "
-    + "0.5 for fedbuff, 1 for the rest) or the share of each round's update applied. release_margin: how much "
+    + "0.5 for fedbuff, 1 for the rest; with a server optimizer, its own: 1 for fedavgm, 0.1 for fedadagrad, 0.01 "
+    + "for fedadam and fedyogi) or the share of each round's update applied. server_optimizer is null or one of "
+    + f"{', '.join(OPTIMIZERS)} (server_momentum, server_beta2 and server_tau its settings). proximal_mu: FedProx's "
+    + "weight on the devices' shared pass (0: off). release_margin: how much "
     + "worse (0.01: one point of accuracy) than the best released version a round's version may evaluate and "
     + "still be released."
 )
@@ -85,7 +104,11 @@ def effective_mixing(values: dict[str, Any]) -> str | None:
 def effective_server_lr(values: dict[str, Any]) -> float:
     """The server learning rate a round of these settings applies its update with."""
     lr = values["server_lr"]
-    return float(lr) if lr is not None else SERVER_LR_DEFAULTS.get(values["strategy"], 1.0)
+    if lr is not None:
+        return float(lr)
+    if values.get("server_optimizer"):
+        return LR_DEFAULTS[values["server_optimizer"]]
+    return SERVER_LR_DEFAULTS.get(values["strategy"], 1.0)
 
 
 def aggregation_settings(adapter) -> dict[str, Any]:
@@ -130,6 +153,19 @@ def validate_aggregation(values: dict[str, Any]) -> dict[str, Any]:
     lr = merged["server_lr"]
     if lr is not None and (not isinstance(lr, int | float) or isinstance(lr, bool) or not 0 < lr <= 10):
         raise ValueError("server_lr must be a number above 0 and at most 10, or null (the strategy's default)")
+    optimizer = merged["server_optimizer"]
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise ValueError(f"server_optimizer must be null or one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
+    for name in ("server_momentum", "server_beta2"):
+        value = merged[name]
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1:
+            raise ValueError(f"{name} must be a number from 0 to below 1")
+    mu = merged["proximal_mu"]
+    if not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 <= mu <= 100:
+        raise ValueError("proximal_mu must be a number from 0 to 100 (0: plain local training)")
+    tau = merged["server_tau"]
+    if not isinstance(tau, int | float) or isinstance(tau, bool) or not 0 < tau <= 1:
+        raise ValueError("server_tau must be a number above 0 and at most 1")
     margin = merged["release_margin"]
     if not isinstance(margin, int | float) or isinstance(margin, bool) or not 0 <= margin <= 1:
         raise ValueError("release_margin must be a number from 0 to 1 (0.01 is one point of accuracy)")

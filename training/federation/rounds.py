@@ -18,7 +18,12 @@ from core.errors import Conflict, DomainError
 from core.queries import only_row
 from devices.models import Device, DeviceStatus
 from training import dispatch
-from training.federation.aggregation_settings import STRATEGY_PARAMS, aggregation_settings, dp_settings
+from training.federation.aggregation_settings import (
+    OPTIMIZER_PARAMS,
+    STRATEGY_PARAMS,
+    aggregation_settings,
+    dp_settings,
+)
 from training.models import Adapter, AdapterVersion, Delta, Round
 from training.registry.services import _record
 
@@ -75,8 +80,11 @@ def _check_dp_budget(adapter: Adapter, buffer_size: int) -> None:
 def _params(adapter: Adapter) -> dict:
     settings_ = aggregation_settings(adapter)
     params = {name: settings_[name] for name in STRATEGY_PARAMS if settings_[name] is not None}
-    if params.get("server_lr") == 1.0:
-        del params["server_lr"]  # the whole update: what a round without it applies
+    if not params.get("server_optimizer"):
+        for name in OPTIMIZER_PARAMS:
+            params.pop(name, None)
+        if params.get("server_lr") == 1.0:
+            del params["server_lr"]  # the whole update: what a round without it applies
     # The workers its deltas are split across if it grows past shard_size, fixed now: a chord and one worker
     # aggregating the round again cut the same shards, whichever process's settings they run with.
     params["workers"] = settings.AGGREGATION_WORKERS

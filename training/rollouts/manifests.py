@@ -30,6 +30,8 @@ def training_config(adapter) -> dict:
         "personalization": personalization_settings(adapter),
         # The bound verification holds a delta's L2 norm to (norm_too_large): the device clips below it.
         "max_norm": None if settings_["max_norm"] is None else float(settings_["max_norm"]),
+        # FedProx's proximal weight on the device's shared pass (0: plain training).
+        "proximal_mu": float(settings_["proximal_mu"]),
     }
 
 

@@ -23,6 +23,8 @@ from safetensors import SafetensorError, safe_open
 
 from edge_agent.delta import ENCODINGS, FORMAT, decode_tensor, read_encoding
 
+from .server_optimizers import BETA2, MOMENTUM, OPTIMIZERS, TAU
+
 Shape = tuple[int, ...]
 LORA_A_MARKERS = (".lora_A.", ".lora_embedding_A")
 LORA_B_MARKERS = (".lora_B.", ".lora_embedding_B")
@@ -291,6 +293,11 @@ PARAMS: dict[str, tuple] = {
     # The share of the aggregated update the server applies (``training.federation.aggregation._finish``); the
     # strategies compute the whole update whatever it is.
     "server_lr": (1.0, lambda v: _is_real(v) and 0 < v <= 10, "a number above 0 and at most 10"),
+    # A server optimizer on the aggregated update (``server_optimizers.py``), applied in ``_finish`` as server_lr is.
+    "server_optimizer": (None, lambda v: v is None or v in OPTIMIZERS, f"null or one of {', '.join(OPTIMIZERS)}"),
+    "server_momentum": (MOMENTUM, lambda v: _is_real(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "server_beta2": (BETA2, lambda v: _is_real(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "server_tau": (TAU, lambda v: _is_real(v) and 0 < v <= 1, "a number above 0 and at most 1"),
 }
 
 

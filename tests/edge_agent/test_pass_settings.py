@@ -1,12 +1,15 @@
-"""The personal pass learns from unlabeled samples where the setting says so (``edge_agent.pseudo_labels``): what the
-model trained on the labelled ones is sure of, of the users' own classes, at most as many as the labelled; the held
-slice stays labelled by users."""
+"""What the manifest's settings change in the device's passes: the personal pass learns from unlabeled samples where
+the setting says so (``edge_agent.pseudo_labels``: what the model trained on the labelled ones is sure of, of the
+users' own classes, at most as many as the labelled; the held slice stays labelled by users), and the shared pass
+is held near the installed version by FedProx's ``proximal_mu``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load
 
+from edge_agent.packaging import Outbox
 from edge_agent.personal import PersonalSettings, PersonalStore
 from edge_agent.pseudo_labels import pseudo_labelled
 from edge_agent.unlabeled import UnlabeledStore
@@ -56,3 +59,19 @@ def test_the_personal_pass_learns_from_unlabeled_samples_and_its_held_slice_stay
     else:  # at most as many as the labelled training slice (32), of the classes its user labelled
         assert noted and 0 < int(noted[0].split()[0]) <= 32, state["notes"]
     assert PersonalStore(tmp_path).tensors() is not None
+
+
+def test_fedprox_holds_the_shared_pass_near_the_installed_version(digits, pretrained_base, tmp_path):
+    """``proximal_mu`` in the manifest's training setting (FedProx): the same device, the same samples, the same
+    seed; with a large mu the uploaded change is far smaller than without."""
+    family, _, _ = digits
+    norms = {}
+    for mu in (0.0, 50.0):
+        home = tmp_path / f"mu{mu}"
+        training = {**training_manifest(family, {"method": "none"}), "proximal_mu": mu}
+        install(home, pretrained_base, family, version=1, training=training)
+        runtime = device(home, scenario="feature", per_poll=100)
+        assert runtime.train_once()["status"] == "trained"
+        delta = load(Outbox(home).pending()[0].read())
+        norms[mu] = float(torch.sqrt(sum(t.double().square().sum() for t in delta.values())))
+    assert 0 < norms[50.0] < 0.5 * norms[0.0], norms
