@@ -96,7 +96,7 @@ class AdapterVersion(models.Model):
     server_state = models.JSONField(
         default=dict,
         blank=True,
-        help_text="the server optimizer's moments after the round that made this version: "
+        help_text="the adapter's server optimizer moments after the round that made this version: "
         '{"optimizer", "steps", "blob"} (training.federation.strategies.server_optimizers)',
     )
     # The round that made this version; unique, so a round re-run after a crash can never make a second one.

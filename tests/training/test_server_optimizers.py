@@ -13,6 +13,7 @@ from tests.training.test_rounds import make_delta_tensors, receive
 from training import dispatch
 from training.federation.aggregation import round_aggregate
 from training.federation.aggregation_settings import validate_aggregation
+from training.federation.rounds import round_base
 from training.federation.strategies.server_optimizers import OPTIMIZERS, server_step
 from training.federation.verification import delta_verify
 from training.models import Round
@@ -76,13 +77,13 @@ def _flat(tensors: dict, names) -> np.ndarray:
     return torch.cat([tensors[name].double().reshape(-1) for name in names]).numpy()
 
 
-def _round(adapter, devices, counter: int, base: int, seed: int):
+def _round(adapter, devices, counter: int, base: int, seed: int, optimizer: str = "fedadam"):
     tensors = [make_delta_tensors(adapter, seed=seed + i) for i in range(len(devices))]
     for device, delta in zip(devices, tensors, strict=True):
         accepted = delta_verify(delta_id=receive(device, adapter, delta, counter=counter, base_version=base).pk)
         assert accepted.state == "accepted", accepted.rejection_detail
     round_ = Round.objects.get(state=Round.State.AGGREGATING)
-    assert round_.base_version.number == base and round_.params["server_optimizer"] == "fedadam"
+    assert round_.base_version.number == base and round_.params["server_optimizer"] == optimizer
     version = round_aggregate(round_id=round_.pk)
     names = list(adapter.tensor_spec)
     mean = np.mean([_flat(t, names) for t in tensors], axis=0)  # fedavg of equal sample counts
@@ -92,10 +93,10 @@ def _round(adapter, devices, counter: int, base: int, seed: int):
 
 
 @pytest.mark.django_db
-def test_fedadam_rounds_continue_the_moments_of_the_version_they_build_on(trained, monkeypatch):
-    """Round 1 from v1 makes v2 (one step); round 2, from v1 again while v2 is a candidate, starts the moments
-    afresh (a version devices do not run never moves them); round 3, from v2 once it is released, continues v2's:
-    each version equal to its base plus the reference's update for its lineage."""
+def test_fedadam_rounds_continue_the_adapters_moments_whatever_the_gate_released(trained, monkeypatch):
+    """Round 1 from v1 makes v2 (one step); round 2, from v1 again while v2 is a candidate, continues v2's
+    moments (the adapter's, kept across rounds and versions); round 3, from v2 once it is released, continues v3's:
+    each version equal to its base plus the reference's update for the rounds so far."""
     monkeypatch.setattr("training.federation.verify_queue.queue_verification", lambda delta_id: None)
     monkeypatch.setattr(dispatch, "aggregate_round", lambda round_id: None)
     adapter, v1, devices = trained
@@ -110,10 +111,16 @@ def test_fedadam_rounds_continue_the_moments_of_the_version_they_build_on(traine
     assert set(moments) == {f"{kind}/{name}" for kind in "mv" for name in adapter.tensor_spec}
 
     v3, second, change3 = _round(adapter, devices[:3], counter=2, base=1, seed=20)  # v2 is a candidate
-    np.testing.assert_allclose(change3, reference("fedadam", [second], lr=0.02)[0], rtol=1e-4, atol=1e-7)
-    assert v3.server_state["steps"] == 1
+    np.testing.assert_allclose(change3, reference("fedadam", [first, second], lr=0.02)[1], rtol=1e-4, atol=1e-7)
+    assert v3.server_state["steps"] == 2 and v3.parent_id == v1.pk
 
     version_transition(version=v2, action="release", actor=None)
     v4, third, change4 = _round(adapter, devices[:3], counter=3, base=2, seed=30)
-    np.testing.assert_allclose(change4, reference("fedadam", [first, third], lr=0.02)[1], rtol=1e-4, atol=1e-7)
-    assert v4.server_state["steps"] == 2 and v4.parent_id == v2.pk
+    want = reference("fedadam", [first, second, third], lr=0.02)[2]
+    np.testing.assert_allclose(change4, want, rtol=1e-4, atol=1e-7)
+    assert v4.server_state["steps"] == 3 and v4.parent_id == v2.pk
+    adapter_set_aggregation(adapter=adapter, actor=None, aggregation={**settings, "server_optimizer": "fedyogi"})
+    base = round_base(adapter).number  # v2 (v4, random deltas, may fail the gate)
+    v5, fourth, change5 = _round(adapter, devices[:3], counter=4, base=base, seed=40, optimizer="fedyogi")
+    np.testing.assert_allclose(change5, reference("fedyogi", [fourth], lr=0.02)[0], rtol=1e-4, atol=1e-7)
+    assert v5.server_state == {**v5.server_state, "optimizer": "fedyogi", "steps": 1}  # another optimizer: afresh

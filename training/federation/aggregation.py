@@ -396,13 +396,14 @@ def _finish(round_: Round, base: dict, delta: dict, deltas: list[Delta], started
 
 def _server_update(round_: Round, delta: dict) -> tuple[dict, dict]:
     """The update to add to the base for the aggregated ``delta``, and the server state to store with the version:
-    ``server_lr`` times it, or a server optimizer's step continuing the moments stored with the round's base
-    version (``strategies.server_optimizers``; none yet, or another optimizer's: from the start)."""
+    ``server_lr`` times it, or a server optimizer's step continuing the moments stored with the adapter's newest
+    version a round made (``strategies.server_optimizers``; none yet, or another optimizer's: from the start)."""
     params, optimizer = round_.params, round_.params.get("server_optimizer")
     if not optimizer:
         lr = float(params.get("server_lr", 1.0))  # the server learning rate (aggregation_settings)
         return ({name: tensor.float() * lr for name, tensor in delta.items()} if lr != 1.0 else delta), {}
-    before = round_.base_version.server_state or {}
+    newest = round_.adapter.versions.exclude(server_state={}).order_by("-number").first()
+    before = newest.server_state if newest is not None else {}
     same = before.get("optimizer") == optimizer and before.get("blob")
     moments = load_safetensors(blob_read(before["blob"])) if same else None
     update, after = server_step(

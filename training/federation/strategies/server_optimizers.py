@@ -11,10 +11,12 @@ one, it keeps moments per adapter tensor across rounds and adds ``server_step``'
 - ``fedadam``: ``m`` as fedadagrad's, ``v = beta2 * v + (1 - beta2) * delta²``; the same update;
 - ``fedyogi``: ``m`` as fedadagrad's, ``v = v - (1 - beta2) * delta² * sign(v - delta²)``; the same update.
 
-The moments start at ``m = 0`` and ``v = tau²`` (the paper's ``v_{-1} >= tau²``), in float64, and are what the
-server stores with the version the round made (``training.federation.aggregation``): the next round from that
-version continues them, a round from another version continues that version's, so a candidate the release gate
-holds back never moves the moments of the versions devices run.
+The moments start at ``m = 0`` and ``v = tau²`` (the paper's ``v_{-1} >= tau²``), in float64, and are kept per
+adapter across rounds and versions: stored with the version each round makes (``training.federation.aggregation``),
+the next round continues those of the adapter's newest such version, whether the release gate released it or held
+it back. A round builds on the newest released version either way (``rounds.round_base``): while the gate holds
+candidates back, their rounds' updates, all from the same base, gather in the moments, as FedBuff's buffer gathers
+deltas, until one passes.
 """
 
 from __future__ import annotations
