@@ -86,7 +86,7 @@ AGGREGATION_HELP = (
     + ", ".join(AGGREGATION_DEFAULTS)
     + '. mixing is null (the strategy\'s default: "nnm" for krum, off for the rest), "none" (off) or "nnm" '
     + f"(nearest-neighbour mixing, for {', '.join(ROBUST)} only). server_lr is null (the strategy's default: "
-    + "0.5 for fedbuff, 1 for the rest; with a server optimizer, its own: 1 for fedavgm, 0.1 for fedadagrad, 0.01 "
+    + "0.5 for fedbuff, 1 for the rest; with a server optimizer, its own: 0.1 for fedavgm and fedadagrad, 0.01 "
     + "for fedadam and fedyogi) or the share of each round's update applied. server_optimizer is null or one of "
     + f"{', '.join(OPTIMIZERS)} (server_momentum, server_beta2 and server_tau its settings). proximal_mu: FedProx's "
     + "weight on the devices' shared pass (0: off). release_margin: how much "
