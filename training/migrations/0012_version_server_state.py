@@ -15,7 +15,7 @@ class Migration(migrations.Migration):
             field=models.JSONField(
                 blank=True,
                 default=dict,
-                help_text='the server optimizer\'s moments after the round that made this version: {"optimizer", "steps", "blob"} (training.federation.strategies.server_optimizers)',
+                help_text='the adapter\'s server optimizer moments after the round that made this version: {"optimizer", "steps", "blob"} (training.federation.strategies.server_optimizers)',
             ),
         ),
     ]
