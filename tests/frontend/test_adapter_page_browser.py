@@ -121,8 +121,8 @@ def test_each_settings_form_still_saves_from_the_settings_section(
     assert adapter.personalization["method"] == "none"
     summary = _summary(ui)
     assert "none" in summary and "devices serve the shared version" in summary
-    assert len(_unused(ui)) == 7  # every setting but the method
-    for setting in ("Lambda", "Training", "Served", "Private modules", "Contradicted classes"):
+    assert len(_unused(ui)) == 9  # every setting but the method
+    for setting in ("Lambda", "Training", "Served", "Private modules", "Contradicted classes", "Unlabeled samples"):
         assert setting not in summary, f"'none' lists {setting!r}: {summary}"
 
     cohorts = ui.page.locator("[data-testid=adapter-cohorts-form]")
