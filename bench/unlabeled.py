@@ -39,7 +39,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 if str(BASE_DIR) not in sys.path:
     sys.path.insert(0, str(BASE_DIR))
 
-from bench.fleet_learning_offline import FAMILY, STORE, Fleet, window  # noqa: E402
+from bench.fleet_learning_offline import FAMILY, Fleet, store, window  # noqa: E402
 from bench.fleetlearn.fleet import FleetDevice  # noqa: E402
 from bench.fleetlearn.split import make_split  # noqa: E402
 from edge_agent import personal  # noqa: E402
@@ -56,11 +56,7 @@ RESULTS = BASE_DIR / "bench" / "results"
 def feed(device: FleetDevice, share: float, seed: int) -> tuple[dict, np.ndarray]:
     """The application's stream to ``STORE`` samples, and which of them carry their label: those of the distinct
     samples chosen as labelled (``share`` of them, at least one)."""
-    stream, parts, n = device.stream(), [], 0
-    while n < STORE and (batch := stream.poll()) is not None:
-        parts.append({"x": batch["x"].clip(0.0, 1.0), "y": batch["y"]})
-        n += len(batch["y"])
-    samples = {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y")}
+    samples = store(device)
     keys = [row.tobytes() for row in samples["x"]]
     distinct = sorted(set(keys))
     rng = np.random.default_rng(seed)

@@ -403,9 +403,7 @@ def personalize(
         if guessing:  # first on the labelled samples alone (no refit: the validation slice judges both stages)
             first = train_adapter(model, train, val, config=replace(run, refit=False, checkpoint_dir=None),
                                   family=family, replay=replay, penalty=penalty)  # fmt: skip
-            mine = set(
-                torch.cat([train[LABEL], val[LABEL]]).tolist() if val and LABEL in val else train[LABEL].tolist()
-            )
+            mine = set(concat([train, val])[LABEL].tolist())  # the labels the device's users gave
             guessed = pseudo_labelled(model, unlabeled, confidence=settings.confidence, classes=mine,
                                       limit=PSEUDO_RATIO * size(train))  # fmt: skip
             if guessed:  # then on them and what the model so trained is sure of, from where it got to

@@ -308,10 +308,10 @@ class DeviceRuntime:
             replay=self._replay(),
             train_personal=train_personal,
             released=released,
-            unlabeled=self._unlabeled(settings),
+            unlabeled=self._unlabeled(settings) if train_personal else None,
         )
-        held_labels = [part[LABEL] for part in (train, val, held) if part and LABEL in part]
-        labels = torch.cat(held_labels).tolist() if held_labels else []
+        parts = [part[LABEL] for part in (train, val, held) if part and LABEL in part]
+        labels = torch.cat(parts).tolist() if parts else []  # every label the pass's samples carry
         outcome, earlier = serve_small(self.personal, current, outcome, settings, labels, shared)
         measured = outcome.personal or outcome.shared
         state = self.personal.save(

@@ -62,7 +62,9 @@ def serve_small(store, current: dict, outcome, settings, labels, shared: dict[st
     if now is None:
         return outcome, {"earlier_version": None}
     kept, path = store.state().get("earlier") or {}, store.root / EARLIER_FILE
-    usable = kept.get("adapter") == current["adapter"] and kept.get("version") != current["version"] and path.exists()
+    usable = kept.get("adapter") == current["adapter"] and path.exists()
+    if usable and kept.get("version") == current["version"]:
+        return outcome, {"earlier_version": None}  # the installed version is the one kept already
     then = class_mix_accuracy(kept.get("class_accuracy"), labels) if usable else None
     if then is None or now >= then:  # the best so far by this device's labels: kept in place of the earlier one
         store.root.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -4,7 +4,7 @@ A family that can (``dataset(config)`` returning ``(train, test)`` and ``evaluat
 evaluated on its held-out test split; the metrics are stored on the version, so the dashboard can chart
 them over versions. A family without an evaluation set gives no metrics, never an error. A classifier's
 metrics end with ``eval_class_accuracy``, its accuracy on each class (index: the label), which the manifest
-signs for devices to weigh by their own labels (docs/protocol/README.md, "Manifests").
+signs for devices to weigh by their own labels (docs/protocol/README.md, "Assignments: what a device should run").
 """
 
 from __future__ import annotations
