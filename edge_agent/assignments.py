@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from edge_agent.download import DownloadError, download
-from edge_agent.families import get_family
+from edge_agent.families import get_family, loads_file
 from edge_agent.identity import AgentState, atomic_write
 from edge_agent.lora_layers import apply_adapter
 from edge_agent.manifest import ManifestRefused, trusted_server_key, verify_manifest
@@ -36,8 +36,11 @@ Evaluator = Callable[[Path | None, Path, dict], dict]
 def build_model(training: dict, tensors: dict, base_path: Path) -> torch.nn.Module:
     """The base model of ``training``'s family carrying ``tensors`` as its adapter, in eval mode."""
     family = get_family(training["family"])
-    base = family.build(training.get("family_config", {}))
-    base.load_state_dict(load_file(str(base_path)), strict=True)
+    if loads_file(family):  # the stored file is the model itself (an exported program)
+        base = family.load(training.get("family_config", {}), base_path)
+    else:
+        base = family.build(training.get("family_config", {}))
+        base.load_state_dict(load_file(str(base_path)), strict=True)
     return apply_adapter(
         base,
         {k: v.clone() for k, v in tensors.items()},

@@ -4,6 +4,10 @@ For a target ``nn.Linear(in, out)``: ``lora_A`` is ``[r, in]`` and ``lora_B`` is
 ``nn.Conv2d(in, out, k)``: ``lora_A`` is ``[r, in, kh, kw]`` and ``lora_B`` is ``[out, r, 1, 1]``. Modules to
 save are stored whole under their own parameter names. Keys look like
 ``base_model.model.<module>.lora_A.weight`` so that an export loads with ``peft.PeftModel.from_pretrained``.
+
+A module that only holds a ``weight`` of two or more dimensions (an exported program's submodules,
+``edge_agent.families.exported``) is adapted on that weight's 2-D view ``[out, rest]``: ``lora_A`` is
+``[r, rest]`` and ``lora_B`` ``[out, r]``, the update ``B @ A`` reshaped to the weight (``weight_target``).
 """
 
 from __future__ import annotations
@@ -40,9 +44,15 @@ def tensor_spec(
         elif isinstance(module, nn.Conv2d):
             spec[f"{PREFIX}{name}.lora_A.weight"] = TensorSpec((rank, module.in_channels, *module.kernel_size))
             spec[f"{PREFIX}{name}.lora_B.weight"] = TensorSpec((module.out_channels, rank, 1, 1))
+        elif (weight := weight_target(module)) is not None:
+            spec[f"{PREFIX}{name}.lora_A.weight"] = TensorSpec((rank, math.prod(weight.shape[1:])))
+            spec[f"{PREFIX}{name}.lora_B.weight"] = TensorSpec((weight.shape[0], rank))
         else:
             kind = type(module).__name__ if module is not None else "nothing"
-            raise ValueError(f"target module {name!r} is {kind}; LoRA targets must be Linear or Conv2d layers")
+            raise ValueError(
+                f"target module {name!r} is {kind}; LoRA targets must be Linear or Conv2d layers, or an exported "
+                f"program's modules holding a weight of two or more dimensions"
+            )
     for name in modules_to_save:
         module = modules.get(name)
         if module is None:
@@ -50,6 +60,15 @@ def tensor_spec(
         for parameter_name, parameter in module.named_parameters():
             spec[f"{PREFIX}{name}.{parameter_name}"] = TensorSpec(tuple(parameter.shape))
     return spec
+
+
+def weight_target(module) -> torch.Tensor | None:
+    """The weight LoRA adapts on a module of an exported program (a plain ``nn.Module`` holding a ``weight`` of
+    two or more dimensions, as ``ExportedProgram.module()`` rebuilds the original layers), else None."""
+    if type(module) is not nn.Module:
+        return None
+    weight = module._parameters.get("weight")
+    return weight if weight is not None and weight.dim() >= 2 else None
 
 
 def initial_tensors(

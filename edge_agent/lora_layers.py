@@ -4,6 +4,8 @@
 ``A`` is ``[r, in]`` and ``B`` is ``[out, r]``; for a Conv2d, ``A`` is ``[r, in, kh, kw]`` applied with the
 base's stride and padding (as PEFT does: no dilation, no groups) and ``B`` is ``[out, r, 1, 1]``. Modules to
 save are trained in full in place. Tensors go in and out keyed by PEFT names (``edge_agent.lora.PREFIX``).
+An exported program's module (``edge_agent.lora.weight_target``) gets its update on the weight itself
+(``LoRAWeight``, a parametrization): ``W + (alpha / r) * (B @ A).reshape(W.shape)``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
-from edge_agent.lora import PREFIX, initial_tensors, tensor_spec
+from edge_agent.lora import PREFIX, initial_tensors, tensor_spec, weight_target
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,29 @@ class LoRAConv2d(_LoRABase):
         return F.conv2d(hidden, self.lora_B)
 
 
+class LoRAWeight(nn.Module):
+    """A parametrization of an exported program's weight ``W`` (``[out, ...]``): ``W + scaling * (B @ A)``
+    reshaped to ``W``, with A ``[r, prod(W.shape[1:])]`` and B ``[out, r]``. Registered on the program's own
+    module, so its graph reads the adapted weight; the module carries ``lora_A`` and ``lora_B`` as the wrappers
+    do. Dropout has no input to act on here and is not applied."""
+
+    def __init__(self, weight: torch.Tensor, *, rank: int, alpha: float):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.zeros((rank, weight[0].numel())))
+        self.lora_B = nn.Parameter(torch.zeros((weight.shape[0], rank)))
+        self.scaling = alpha / rank
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        update = (self.lora_B @ self.lora_A).reshape(weight.shape).to(weight.dtype)
+        return weight + update * self.scaling
+
+    @staticmethod
+    def attach(module: nn.Module, *, rank: int, alpha: float) -> None:
+        lora = LoRAWeight(module.weight, rank=rank, alpha=alpha)
+        parametrize.register_parametrization(module, "weight", lora, unsafe=True)
+        module.lora_A, module.lora_B = lora.lora_A, lora.lora_B
+
+
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
@@ -120,6 +146,9 @@ def apply_adapter(
     modules = dict(model.named_modules())
     for name in targets:
         layer = modules[name]
+        if weight_target(layer) is not None:
+            LoRAWeight.attach(layer, rank=rank, alpha=alpha)
+            continue
         if isinstance(layer, nn.Linear):
             wrapped = LoRALinear(layer, rank=rank, alpha=alpha, dropout=dropout)
         else:

@@ -147,6 +147,7 @@ API_ROLES = {
     "device-personalization": {"get": VIEWER},
     "base-model-list": {"get": VIEWER, "post": ADMIN},
     "base-model-detail": {"get": VIEWER},
+    "base-model-modules": {"get": VIEWER},
     "adapter-list": {"get": VIEWER, "post": ADMIN},
     "adapter-detail": {"get": VIEWER},
     "adapter-versions": {"get": VIEWER},

@@ -15,8 +15,15 @@ A family is an object with:
 - optionally ``classifier``: the module whose output rows are the classes (default ``head``), whose rows
   ditto's ``release_classes`` frees class by class (``edge_agent.personal``).
 
-Built in: ``digits-cnn`` and ``minilm-text`` (imported only when asked for, so the digits family works
-without ``transformers``). New families plug in as ``package.module:attribute``.
+A family whose base is a file of its own rather than weights for ``build`` (``loads_file = True``:
+``exported-program``, a ``.pt2`` saved with ``torch.export.save``) has instead:
+
+- ``check_config(config) -> config``: the config in its normal form, ``ValueError`` (with a ``code``) if wrong;
+- ``load(config, source) -> torch.nn.Module``: the base from its stored file (a path or its bytes), checked;
+- ``defaults(base) -> (targets, modules_to_save)``: an adapter's modules where its creator names none.
+
+Built in: ``digits-cnn``, ``minilm-text`` and ``exported-program`` (imported only when asked for, so the digits
+family works without ``transformers``). New families plug in as ``package.module:attribute``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, Protocol
 _BUILTIN = {
     "digits-cnn": "edge_agent.families.digits:DigitsCNN",
     "minilm-text": "edge_agent.families.minilm:MiniLMText",
+    "exported-program": "edge_agent.families.exported:ExportedProgramFamily",
 }
 
 
@@ -51,6 +59,11 @@ class Family(Protocol):
     def evaluate(self, model, data: dict) -> dict[str, float]: ...
 
     def loss(self, model, batch: dict): ...
+
+
+def loads_file(family) -> bool:
+    """Whether ``family``'s base is its stored file itself (``load``), not weights loaded into ``build``."""
+    return bool(getattr(family, "loads_file", False))
 
 
 def builtin_names() -> list[str]:

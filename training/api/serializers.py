@@ -27,9 +27,19 @@ class BaseModelSerializer(serializers.ModelSerializer):
 
 class BaseModelCreateSerializer(StrictTypesMixin, serializers.Serializer):
     name = serializers.SlugField(max_length=64)
-    family = serializers.CharField(max_length=200, help_text="`digits-cnn` or `package.module:attribute`")
-    family_config = JsonObjectField(required=False, default=dict)
-    weights = serializers.FileField(required=False, help_text="safetensors; omit to store the family's seeded init")
+    family = serializers.CharField(
+        max_length=200,
+        help_text="`digits-cnn`, `minilm-text`, `exported-program` (your own model: a `.pt2` saved with "
+        "`torch.export.save` as `weights` and its card as `family_config`) or `package.module:attribute`",
+    )
+    family_config = JsonObjectField(
+        required=False, default=dict, help_text="the family's settings; for `exported-program`, the model's card"
+    )
+    weights = serializers.FileField(
+        required=False,
+        help_text="safetensors of the family's tensors (omit to store the family's seeded init); for "
+        "`exported-program`, the `.pt2` file itself",
+    )
 
     def validate_name(self, value):
         if BaseModel.objects.filter(name=value).exists():
@@ -40,6 +50,18 @@ class BaseModelCreateSerializer(StrictTypesMixin, serializers.Serializer):
         if not isinstance(value, dict):
             raise serializers.ValidationError("must be a JSON object")
         return value
+
+
+class CandidateModuleSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    kind = serializers.ChoiceField(choices=["linear", "conv2d", "weight"])
+    shape = serializers.ListField(child=serializers.IntegerField())
+    parameters = serializers.IntegerField()
+
+
+class CandidateModulesSerializer(serializers.Serializer):
+    base_model = serializers.CharField()
+    modules = CandidateModuleSerializer(many=True)
 
 
 @extend_schema_field({"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 64})

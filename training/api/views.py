@@ -17,6 +17,7 @@ from training.api.serializers import (
     AdapterVersionSerializer,
     BaseModelCreateSerializer,
     BaseModelSerializer,
+    CandidateModulesSerializer,
     ImportVersionSerializer,
     SeedVersionSerializer,
     VersionActionSerializer,
@@ -27,6 +28,8 @@ from training.registry.services import (
     MAX_ARTIFACT_BYTES,
     adapter_create,
     base_model_create,
+    build_base,
+    candidate_modules,
     version_create_seeded,
     version_export_peft,
     version_import,
@@ -64,6 +67,14 @@ class BaseModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewset
             actor=request.user,
         )
         return Response(BaseModelSerializer(base).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=CandidateModulesSerializer)
+    @action(detail=True, methods=["get"])
+    def modules(self, request, pk=None):
+        """The modules of the base an adapter's ``target_modules`` can name, with their weights' shapes and sizes
+        (an exported program's are named as in the team's own code: ``conv1``, ``encoder.fc``)."""
+        base = self.get_object()
+        return Response({"base_model": base.name, "modules": candidate_modules(build_base(base))})
 
 
 class AdapterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

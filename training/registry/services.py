@@ -17,8 +17,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from core.errors import Conflict, Invalid, TooLarge
-from edge_agent.families import default_shape, get_family
-from edge_agent.lora import initial_tensors, peft_config, tensor_spec
+from edge_agent.families import default_shape, get_family, loads_file
+from edge_agent.lora import initial_tensors, peft_config, tensor_spec, weight_target
 from training.models import Adapter, AdapterVersion, BaseModel, Rollout, TrainingEvent
 from training.registry.artifacts import ArtifactRejected, load_checked
 from training.registry.blobs import blob_put_bytes, blob_read
@@ -50,10 +50,45 @@ def _family(name: str):
 
 
 def build_base(base_model: BaseModel) -> torch.nn.Module:
-    """The base model with its stored weights loaded (strictly: every tensor, no extras)."""
-    module = get_family(base_model.family).build(base_model.family_config)
+    """The base model with its stored weights loaded (strictly: every tensor, no extras), or, for a family whose
+    stored file is the model (an exported program), loaded from it."""
+    family = get_family(base_model.family)
+    if loads_file(family):
+        return family.load(base_model.family_config, blob_read(base_model.weights_sha256)).eval()
+    module = family.build(base_model.family_config)
     module.load_state_dict(load_safetensors(blob_read(base_model.weights_sha256)), strict=True)
     return module.eval()
+
+
+def candidate_modules(module: torch.nn.Module) -> list[dict]:
+    """The modules of a base an adapter can target, in order: ``name``, ``kind`` (``linear``, ``conv2d`` or
+    ``weight``: an exported program's module, adapted on its weight's 2-D view), the weight's ``shape`` and its
+    ``parameters``. Modules to save may be any module; these are the usual choice."""
+    found = []
+    for name, child in module.named_modules():
+        if isinstance(child, torch.nn.Linear):
+            kind = "linear"
+        elif isinstance(child, torch.nn.Conv2d) and child.groups == 1:
+            kind = "conv2d"
+        elif weight_target(child) is not None:
+            kind = "weight"
+        else:
+            continue
+        weight = child.weight
+        found.append({"name": name, "kind": kind, "shape": list(weight.shape), "parameters": weight.numel()})
+    return found
+
+
+def _file_base(family, config: dict, weights: bytes | None):
+    """``(config, module)`` of an uploaded model of a family whose file is the model: the config (a card) in its
+    normal form and the model loaded from ``weights`` after its checks; ``Invalid`` naming what is wrong."""
+    if weights is None:
+        raise Invalid("weights_required", f"a {family.name} base model is its uploaded file: send it as 'weights'")
+    try:
+        config = family.check_config(config)
+        return config, family.load(config, weights)
+    except ValueError as exc:
+        raise Invalid(f"artifact_{getattr(exc, 'code', 'invalid')}", str(exc)) from None
 
 
 @transaction.atomic
@@ -61,18 +96,24 @@ def base_model_create(
     *, name: str, family: str, family_config: dict | None = None, weights: bytes | None = None, actor=None
 ) -> BaseModel:
     """Register a base model. Without ``weights`` the family's own initialisation (from the config's seed)
-    is stored; with them, they must hold exactly the family's tensors."""
+    is stored; with them, they must hold exactly the family's tensors. A family whose file is the model (an
+    exported program) needs its file as ``weights`` and its card as ``family_config``; both are checked by
+    loading the model and running it on the card's inputs."""
     config = family_config or {}
-    module = _family(family).build(config)
-    expected = {key: {"shape": list(t.shape), "dtype": "F32"} for key, t in module.state_dict().items()}
-    if weights is None:
-        weights = save_safetensors({key: t.contiguous() for key, t in module.state_dict().items()})
-    elif len(weights) > MAX_ARTIFACT_BYTES:
+    found = _family(family)
+    if weights is not None and len(weights) > MAX_ARTIFACT_BYTES:
         raise TooLarge("artifact_too_large", f"weights above {MAX_ARTIFACT_BYTES} bytes")
-    try:
-        load_checked(weights, expected)
-    except ArtifactRejected as exc:
-        raise _rejected(exc) from None
+    if loads_file(found):
+        config, module = _file_base(found, config, weights)
+    else:
+        module = found.build(config)
+        expected = {key: {"shape": list(t.shape), "dtype": "F32"} for key, t in module.state_dict().items()}
+        if weights is None:
+            weights = save_safetensors({key: t.contiguous() for key, t in module.state_dict().items()})
+        try:
+            load_checked(weights, expected)
+        except ArtifactRejected as exc:
+            raise _rejected(exc) from None
     blob = blob_put_bytes(weights)
     base = BaseModel.objects.create(
         name=name,
@@ -106,13 +147,21 @@ def adapter_create(
     default_rank, default_alpha = default_shape(family)
     rank = default_rank if rank is None else rank
     alpha = default_alpha if alpha is None else alpha
-    targets = list(target_modules or family.default_targets)
-    to_save = list(family.default_modules_to_save if modules_to_save is None else modules_to_save)
+    base = build_base(base_model)
+    default_targets, default_to_save = (
+        family.defaults(base)
+        if hasattr(family, "defaults")
+        else (family.default_targets, family.default_modules_to_save)
+    )
+    targets = list(target_modules or default_targets)
+    to_save = list(default_to_save if modules_to_save is None else modules_to_save)
     personalization = _personalization_checked(personalization or {}, modules=[*targets, *to_save])
     try:
-        spec = tensor_spec(build_base(base_model), rank=rank, target_modules=targets, modules_to_save=to_save)
+        spec = tensor_spec(base, rank=rank, target_modules=targets, modules_to_save=to_save)
     except ValueError as exc:
-        raise Invalid("invalid_adapter", str(exc)) from None
+        names = [c["name"] for c in candidate_modules(base)]
+        shown = ", ".join(names[:40]) + (f" and {len(names) - 40} more" if len(names) > 40 else "")
+        raise Invalid("invalid_adapter", f"{exc}. The base's candidate modules: {shown}") from None
     adapter = Adapter.objects.create(
         name=name,
         base_model=base_model,
