@@ -16,9 +16,9 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
 from safetensors.torch import load as load_safetensors
 
+from demo.sensor_model import CARD, SensorCNN, export_bytes, trained_model, windows
 from edge_agent.families.exported import ExportedProgramFamily, ProgramRejected, check_card
 from edge_agent.lora_layers import adapter_tensors, apply_adapter, load_adapter_tensors
-from tests.exported_support import CARD, SensorCNN, export_bytes, rewritten, trained_model, windows
 from training.models import BaseModel, TrainingEvent
 from training.registry.blobs import blob_read
 from training.registry.services import build_base, version_create_seeded
@@ -115,6 +115,22 @@ def test_a_pt2_and_its_card_become_a_base_model_whose_modules_adapters_target(ap
         torch.testing.assert_close(device_model(window=x), model(x))
         torch.testing.assert_close(build_base(BaseModel.objects.get(name="wearable"))(window=x), model(x))
     assert version.metrics == {}  # no evaluation file: versions carry the devices' figures only
+
+
+def rewritten(archive: bytes, replace: dict[str, bytes] | None = None, add: dict[str, bytes] | None = None) -> bytes:
+    """The archive with members replaced (by their name's end) or added: hostile variants of a good one."""
+    source = zipfile.ZipFile(io.BytesIO(archive))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            data = source.read(info)
+            for end, value in (replace or {}).items():
+                if info.filename.endswith(end):
+                    data = value
+            target.writestr(info, data)
+        for name, value in (add or {}).items():
+            target.writestr(name, value)
+    return out.getvalue()
 
 
 def _member(archive: bytes, end: str) -> str:

@@ -1,10 +1,17 @@
-"""A team's own model for the tests of issue 51: a small 1-D CNN on a wearable's sensor windows (3 channels, 32
-steps, 4 activities), built and trained here, saved with ``torch.export.save`` with its card. Nothing downloaded."""
+"""A team's own model, as a team would bring it: a small 1-D CNN on a wearable's sensor windows (3 channels, 32
+steps, 4 activities), trained here on synthetic windows, saved with ``torch.export.save`` beside its card, and
+sample files for devices whose sensors differ. What the README's "Your own model" walks through, the tests of
+issue 51 and ``bench/own_model.py`` use. Nothing is downloaded.
+
+    python -m demo.sensor_model OUT_DIR        # OUT_DIR/sensor.pt2, sensor.json, device-<n>.npz, test-<n>.npz
+"""
 
 from __future__ import annotations
 
+import argparse
 import io
-import zipfile
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,17 +74,38 @@ def export_bytes(model: nn.Module) -> bytes:
     return buffer.getvalue()
 
 
-def rewritten(archive: bytes, replace: dict[str, bytes] | None = None, add: dict[str, bytes] | None = None) -> bytes:
-    """The archive with members replaced (by their name's end) or added: hostile variants of a good one."""
-    source = zipfile.ZipFile(io.BytesIO(archive))
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as target:
-        for info in source.infolist():
-            data = source.read(info)
-            for end, value in (replace or {}).items():
-                if info.filename.endswith(end):
-                    data = value
-            target.writestr(info, data)
-        for name, value in (add or {}).items():
-            target.writestr(name, value)
-    return out.getvalue()
+# Each device's wearer and sensor: its own offset, gain and noise on the same activities.
+SENSORS = [(0.0, 1.0, 0.3), (0.8, 1.7, 0.3), (-0.6, 0.6, 0.4), (0.3, 2.2, 0.5), (-1.0, 1.3, 0.3), (1.2, 0.8, 0.6)]
+
+
+def write(out: Path, *, devices: int = 3, samples: int = 120, seed: int = 0) -> list[Path]:
+    """The model, its card and each device's sample files (``device-<n>.npz`` to add, ``test-<n>.npz`` to
+    measure on) under ``out``; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "sensor.pt2", out / "sensor.json"]
+    written[0].write_bytes(export_bytes(trained_model(seed)))
+    written[1].write_text(json.dumps(CARD, indent=2) + "\n")
+    for n in range(devices):
+        offset, gain, noise = SENSORS[n % len(SENSORS)]
+        for kind, count, shift in (("device", samples, 0), ("test", 100, 5000)):
+            path = out / f"{kind}-{n}.npz"
+            data = windows(count, seed=seed * 100 + n + 1 + shift, offset=offset, gain=gain, noise=noise)
+            with path.open("wb") as handle:
+                np.savez(handle, **data)
+            written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for path in write(args.out, devices=args.devices, seed=args.seed):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
