@@ -36,6 +36,8 @@ from edge_agent.assignments import AdapterStore, AssignmentHandler
 from edge_agent.cli_samples import cmd_add_samples, cmd_ask, cmd_feedback, cmd_predict
 from edge_agent.connection import AgentConnection, Backoff, Retired
 from edge_agent.enroll import EnrollmentError, enroll
+from edge_agent.families import get_family, loads_file
+from edge_agent.families.exported import adapter_card
 from edge_agent.feedback import Answers
 from edge_agent.identity import STATE_FILE, AgentState, default_home, load_or_create_key
 from edge_agent.inbox import Inbox
@@ -242,6 +244,12 @@ def cmd_export(args) -> int:
         what = f"the personal model ({state.get('method')}) on {what}"
     args.directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.directory / "adapter_model.safetensors"))
+    if loads_file(get_family(training["family"])):  # an exported program: no PEFT class applies to it
+        base_sha = AdapterStore(args.home).state().get("base_model_sha256")
+        card = adapter_card(training, tensors, base_sha)
+        (args.directory / "adapter_card.json").write_text(json.dumps(card, indent=2))
+        print(f"exported {what} to {args.directory} (adapter_card.json says how to apply it)")
+        return 0
     config = peft_config(
         rank=training["rank"],
         alpha=training["alpha"],

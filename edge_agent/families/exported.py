@@ -358,6 +358,53 @@ class ExportedProgramFamily:
         return self.loss(model, batch)
 
 
+def adapter_card(training: dict, tensors: dict[str, torch.Tensor], base_sha256: str | None) -> dict:
+    """What ``edge-agent export`` writes beside an exported program's adapter (``adapter_card.json``): the base it
+    applies to and how, for a team that takes it back to its own code (``merged_state_dict`` does it)."""
+    from edge_agent.lora import PREFIX
+
+    rank, alpha = int(training["rank"]), float(training["alpha"])
+    return {
+        "format": "fleet-lora-on-weights/1",
+        "base_model_sha256": base_sha256,
+        "card": training.get("family_config"),
+        "rank": rank,
+        "alpha": alpha,
+        "scaling": alpha / rank,
+        "target_modules": {
+            name: {
+                "lora_A": f"{PREFIX}{name}.lora_A.weight",
+                "lora_B": f"{PREFIX}{name}.lora_B.weight",
+                "lora_A_shape": list(tensors[f"{PREFIX}{name}.lora_A.weight"].shape),
+                "lora_B_shape": list(tensors[f"{PREFIX}{name}.lora_B.weight"].shape),
+            }  # fmt: skip
+            for name in training["target_modules"]
+        },
+        "modules_to_save": list(training.get("modules_to_save", [])),
+        "how": "for each target module M: M.weight += scaling * (lora_B @ lora_A).reshape(M.weight.shape); for each "
+        "module to save M and each of its parameters P: M.P = the tensor '" + PREFIX + "M.P'. "
+        "edge_agent.families.exported.merged_state_dict(state_dict, tensors, card) does it on your model's "
+        "state_dict.",
+    }
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], card: dict) -> dict:
+    """The team's own model's ``state_dict`` with the adapter merged in, as ``adapter_card`` says: load it into the
+    model's class, or export it again."""
+    from edge_agent.lora import PREFIX
+
+    merged = {key: value.clone() for key, value in state_dict.items()}
+    for name, keys in card["target_modules"].items():
+        weight = merged[f"{name}.weight"]
+        update = (tensors[keys["lora_B"]] @ tensors[keys["lora_A"]]).reshape(weight.shape)
+        merged[f"{name}.weight"] = weight + card["scaling"] * update.to(weight.dtype)
+    for name in card["modules_to_save"]:
+        for key, value in tensors.items():
+            if key.startswith(f"{PREFIX}{name}."):
+                merged[key[len(PREFIX) :]] = value.clone()
+    return merged
+
+
 def _targets(batch: dict, prediction: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(batch[LABEL], dtype=prediction.dtype).reshape(prediction.shape)
 

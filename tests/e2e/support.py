@@ -3,6 +3,8 @@ namespace per test, waiting for conditions."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -10,7 +12,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -169,3 +175,59 @@ def forget_redis_keys(prefix: str) -> None:
             client.delete(*keys)
     finally:
         client.close()
+
+
+def multipart_post(
+    url: str, token: str, fields: dict[str, str], files: dict[str, tuple[str, bytes]]
+) -> tuple[int, dict]:
+    """POST a multipart form (``fields`` as text, ``files`` as ``(filename, bytes)``) with a bearer token:
+    ``(status, JSON body)``, an error's status and body included."""
+    boundary = uuid.uuid4().hex
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()
+    ]
+    for name, (filename, data) in files.items():
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+        parts.append(head.encode() + b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n")
+    request = urllib.request.Request(  # noqa: S310  (our own http URL)
+        url,
+        data=b"".join(parts) + f"--{boundary}--\r\n".encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@dataclass
+class Stack:
+    """One running product (``product_stack``): its environment, port and output, and the agent processes a
+    test starts (``(process, output)`` pairs, killed when the stack stops)."""
+
+    env: dict
+    port: int
+    output: Output
+    agents: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def product_stack(tmp_path: Path, **overrides: str) -> Iterator[Stack]:
+    """The product as `make run` starts it, without the demo, on its own database and Redis prefix, with quick
+    heartbeats, rollout ticks and presence flushes; afterwards the agents killed, the launcher stopped and the
+    database and keys dropped, whatever happened."""
+    quick = {"HEARTBEAT_INTERVAL_SECONDS": "2", "ROLLOUT_TICK_SECONDS": "1", "PRESENCE_FLUSH_SECONDS": "1"}
+    env = stack_env(tmp_path, **{**quick, **overrides})
+    port, launcher, stack = free_port(), None, None
+    try:
+        launcher, output = start_launcher(env, port)
+        stack = Stack(env, port, output)
+        yield stack
+    finally:
+        for process, _ in stack.agents if stack else []:
+            kill(process)
+        if launcher is not None:
+            stop_launcher(launcher)
+        drop_stack(env)

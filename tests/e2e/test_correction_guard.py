@@ -11,7 +11,7 @@ import torch
 
 from edge_agent.api import Agent
 from edge_agent.families.digits import load_split
-from tests.e2e.support import drop_stack, free_port, kill, stack_env, start_launcher, stop_launcher
+from tests.e2e.support import product_stack
 from tests.e2e.test_agent_lifecycle import _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 from tests.e2e.test_rollout_lifecycle import _import, _running, _wait, enroll_agents, released_digits_adapter, run_agent
@@ -36,16 +36,11 @@ def _users_answer(homes: list, version: int, start: int) -> tuple[int, int]:
 
 
 def test_a_version_users_correct_far_more_often_is_rolled_back_by_its_guard(tmp_path):
-    env = stack_env(tmp_path, HEARTBEAT_INTERVAL_SECONDS="2", ROLLOUT_TICK_SECONDS="1", PRESENCE_FLUSH_SECONDS="1")
-    port = free_port()
-    launcher = None
-    agents: list = []
-    try:
-        launcher, _ = start_launcher(env, port)
-        api = _Api(port, _admin_token(env))
+    with product_stack(tmp_path) as stack:
+        api = _Api(stack.port, _admin_token(stack.env))
         adapter, good, v1 = released_digits_adapter(api)
-        homes, device_ids = enroll_agents(api, tmp_path, port, DEVICES)
-        agents += [run_agent(home, env) for home in homes]
+        homes, device_ids = enroll_agents(api, tmp_path, stack.port, DEVICES)
+        stack.agents += [run_agent(home, stack.env) for home in homes]
 
         # 1. Version 1 everywhere; its users confirm most of its answers.
         rollout = {"version": v1["id"], "cohort": "ring", "phases": [{"percent": 100, "min_soak_seconds": 0}]}
@@ -87,9 +82,3 @@ def test_a_version_users_correct_far_more_often_is_rolled_back_by_its_guard(tmp_
         shown = api.device(device_ids[0])["feedback"]  # (v2 then v1, or v1 again then v2 once it is back)
         assert {shown["current"]["version"], shown["previous"]["version"]} == {v1["number"], v2["number"]}
         assert shown["current"]["answered"] == shown["previous"]["answered"] == ANSWERS
-    finally:
-        for process, _ in agents:
-            kill(process)
-        if launcher is not None:
-            stop_launcher(launcher)
-        drop_stack(env)

@@ -5,11 +5,9 @@ version 1 (a new, newer-sequenced assignment pointing at the old version)."""
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -20,7 +18,16 @@ from edge_agent.families import get_family
 from edge_agent.families.digits import load_split
 from edge_agent.lora_layers import adapter_tensors, apply_adapter
 from edge_agent.training import TrainConfig, train_adapter
-from tests.e2e.support import drop_stack, free_port, kill, spawn, stack_env, start_launcher, stop_launcher
+from tests.e2e.support import (
+    drop_stack,
+    free_port,
+    kill,
+    multipart_post,
+    spawn,
+    stack_env,
+    start_launcher,
+    stop_launcher,
+)
 from tests.e2e.test_agent_lifecycle import _agent, _Api, _say
 from tests.e2e.test_federated_round import _admin_token
 
@@ -47,22 +54,11 @@ def _trained_adapter(adapter: dict, family_config: dict) -> dict[str, torch.Tens
 
 
 def _import(api: _Api, adapter_id: int, tensors: dict) -> dict:
-    import urllib.request
-
-    boundary = uuid.uuid4().hex
-    body = io.BytesIO()
-    body.write(f'--{boundary}\r\nContent-Disposition: form-data; name="adapter_model"; '.encode())
-    body.write(b'filename="adapter_model.safetensors"\r\nContent-Type: application/octet-stream\r\n\r\n')
-    body.write(save_safetensors({k: v.contiguous() for k, v in tensors.items()}))
-    body.write(f"\r\n--{boundary}--\r\n".encode())
-    request = urllib.request.Request(  # noqa: S310
-        f"{api.base}/adapters/{adapter_id}/versions/import/",
-        data=body.getvalue(),
-        method="POST",
-        headers={"Authorization": f"Bearer {api.token}", "Content-Type": f"multipart/form-data; boundary={boundary}"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-        return json.load(response)
+    data = save_safetensors({k: v.contiguous() for k, v in tensors.items()})
+    files = {"adapter_model": ("adapter_model.safetensors", data)}
+    status, body = multipart_post(f"{api.base}/adapters/{adapter_id}/versions/import/", api.token, {}, files)
+    assert status == 201, body
+    return body
 
 
 def _running(api: _Api, device_ids: list[str]) -> list:
@@ -98,19 +94,19 @@ def released_digits_adapter(api: _Api) -> tuple[dict, dict[str, torch.Tensor], d
     return adapter, good, v1
 
 
-def enroll_agents(api: _Api, tmp_path, port: int, count: int) -> tuple[list, list[str]]:
-    """``count`` agent homes enrolled in ``ring`` (no approval needed): their homes and device ids."""
+def enroll_agents(api: _Api, tmp_path, port: int, count: int, cohort: str = "ring") -> tuple[list, list[str]]:
+    """``count`` agent homes enrolled in ``cohort`` (no approval needed): their homes and device ids."""
     expires = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
     status, issued = api.call(
         "POST",
         "/enrollment-tokens/",
-        {"cohort": "ring", "name": "ring", "expires_at": expires, "uses": 10, "requires_approval": False},
+        {"cohort": cohort, "name": cohort, "expires_at": expires, "uses": 10, "requires_approval": False},
     )
     assert status == 201, issued
     homes, device_ids = [tmp_path / f"device-{i}" for i in range(count)], []
     for i, home in enumerate(homes):
         server = f"http://127.0.0.1:{port}"
-        done = _agent(home, "enroll", "--server", server, "--token", issued["token"], "--name", f"ring-{i}")
+        done = _agent(home, "enroll", "--server", server, "--token", issued["token"], "--name", f"{cohort}-{i}")
         assert done.returncode == 0, done.stderr
         device_ids.append(json.loads((home / "agent.json").read_text())["device_id"])
     return homes, device_ids
