@@ -24,10 +24,10 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.skipif(not shutil.which("curl"), reason="the README's commands use curl")
 
 
-def _readme_blocks() -> list[str]:
-    """The shell blocks of the README's "First steps through the API" section."""
+def _readme_blocks(title: str = "### First steps through the API", end: str = "\n## ") -> list[str]:
+    """The shell blocks of the README's section ``title`` (up to ``end``)."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("### First steps through the API", 1)[1].split("\n## ", 1)[0]
+    section = readme.split(title, 1)[1].split(end, 1)[0]
     return re.findall(r"```sh\n(.*?)```", section, re.S)
 
 
@@ -42,7 +42,11 @@ def test_the_readme_s_first_steps_run_as_written_against_the_real_server(tmp_pat
     call_command("create_operator", "alice", "--role", "admin", "--api-token", stdout=said)  # what the block runs
     token = re.search(r"API token \(shown once\): (fpm_\S+)", said.getvalue())[1]
 
-    script = commands.replace(".venv/bin/python", sys.executable)  # the checkout's interpreter, as in the README
+    # Then the README's "Your own model": the example .pt2 and its card registered, its modules listed, an adapter.
+    (own,) = _readme_blocks("### Your own model, without code", "\n### ")
+    script = (commands + own).replace(
+        ".venv/bin/python", sys.executable
+    )  # the checkout's interpreter, as in the README
     with asgi_server("first-steps", tmp_path / "server", BLOB_ROOT=str(shared_blob_root)) as server:
         env = {**os.environ, "FLEET": server.url, "TOKEN": token, "PYTHONPATH": str(ROOT)}
         ran = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
@@ -61,3 +65,10 @@ def test_the_readme_s_first_steps_run_as_written_against_the_real_server(tmp_pat
     assert adapter.base_model == base and [c.name for c in adapter.cohorts.all()] == ["field-units"]
     rollout = Rollout.objects.get(version__adapter=adapter)
     assert rollout.version.number == 1 and rollout.cohort == cohort and rollout.state == "running"
+
+    own = BaseModel.objects.get(name="wrist-cnn")
+    assert own.family == "exported-program" and own.family_config["classes"] == 4
+    assert own.weights_sha256 == hashlib.sha256((tmp_path / "wearable" / "sensor.pt2").read_bytes()).hexdigest()
+    assert '"name":"conv1","kind":"weight","shape":[8,3,5]' in ran.stdout.replace(" ", "")
+    wrist = Adapter.objects.get(name="wrist-lora")
+    assert (wrist.base_model, wrist.target_modules, wrist.modules_to_save) == (own, ["conv1", "conv2", "fc"], ["head"])
