@@ -41,6 +41,51 @@ class UserCreateForm(forms.Form):
         return data
 
 
+# --- models -------------------------------------------------------------------------------------------------
+
+
+class OwnModelForm(forms.Form):
+    """A team's own model: a ``.pt2`` saved with ``torch.export.save`` and its card (README.md, "Your own model,
+    without code"); the service checks both before anything is stored."""
+
+    name = forms.SlugField(max_length=64, help_text="Letters, digits, - and _, e.g. wrist-cnn.")
+    program = forms.FileField(
+        label="Model (.pt2)", help_text="Saved with torch.export.save, the batch dimension dynamic."
+    )
+    card = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 4, "spellcheck": "false"}),
+        help_text='JSON: {"inputs": [{"name": "window", "dtype": "float32", "shape": ["batch", 3, 32]}], '
+        '"task": "classification", "classes": 4}',
+    )
+
+    def clean_name(self):
+        from training.models import BaseModel
+
+        name = self.cleaned_data["name"]
+        if BaseModel.objects.filter(name=name).exists():
+            raise forms.ValidationError("A base model with this name exists.")
+        return name
+
+    def clean_program(self):
+        from training.registry.services import MAX_ARTIFACT_BYTES
+
+        program = self.cleaned_data["program"]
+        if program.size > MAX_ARTIFACT_BYTES:
+            raise forms.ValidationError(f"The file is {program.size:,} bytes; the limit is {MAX_ARTIFACT_BYTES:,}.")
+        return program
+
+    def clean_card(self):
+        import json
+
+        try:
+            card = json.loads(self.cleaned_data["card"])
+        except ValueError as error:
+            raise forms.ValidationError(f"The card is not JSON: {error}.") from None
+        if not isinstance(card, dict):
+            raise forms.ValidationError("The card must be a JSON object.")
+        return card
+
+
 # --- fleet --------------------------------------------------------------------------------------------------
 
 

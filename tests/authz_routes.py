@@ -190,7 +190,7 @@ PAGE_ROLES = {
     "frontend:cohorts": {"get": VIEWER, "post": ADMIN},
     "frontend:enrollment-tokens": {"get": VIEWER, "post": ADMIN},
     "frontend:enrollment-token-revoke": {"get": NOBODY, "post": ADMIN},
-    "frontend:models": {"get": VIEWER, "post": VIEWER},
+    "frontend:models": {"get": VIEWER, "post": ADMIN},
     "frontend:adapters": {"get": VIEWER, "post": VIEWER},  # a redirect to the models page
     "frontend:adapter-detail": {"get": VIEWER, "post": OPERATOR},  # a POST changes the personalization setting
     "frontend:adapter-cohorts": {"get": NOBODY, "post": ADMIN},

@@ -17,7 +17,7 @@ from core.errors import DomainError
 from devices.models import Cohort
 from frontend import selectors
 from frontend.charts import line_chart
-from frontend.forms import ReleaseSettingsForm, RolloutForm, RoundOpenForm
+from frontend.forms import OwnModelForm, ReleaseSettingsForm, RolloutForm, RoundOpenForm
 from frontend.views.common import redirect_back, run_service
 from frontend.views.personalization import (
     adapter_personalization_context,
@@ -28,7 +28,7 @@ from training.federation.aggregation_settings import validate_aggregation
 from training.federation.rounds import round_close, round_open, round_rerun
 from training.filters import RolloutFilterSet, RoundFilterSet
 from training.models import Adapter, Rollout, Round
-from training.registry.services import adapter_set_aggregation
+from training.registry.services import adapter_set_aggregation, base_model_create, build_base, candidate_modules
 from training.rollouts.lifecycle import (
     rollout_abort,
     rollout_create,
@@ -44,10 +44,35 @@ LINEAGE_SHOWN = 10  # versions in the adapter page's lineage until "show all" (`
 
 @role_required(Role.VIEWER)
 def models(request):
+    """Base models and adapters; admins upload their own model here (a ``.pt2`` and its card): on success the
+    page says which modules an adapter can target."""
+    form = OwnModelForm(request.POST or None, request.FILES or None)
+    if request.method == "POST":
+        if not has_role(request.user, Role.ADMIN):
+            raise PermissionDenied("Only admins register base models.")
+        if form.is_valid():
+            data = form.cleaned_data
+            base = run_service(
+                request,
+                lambda: base_model_create(
+                    name=data["name"],
+                    family="exported-program",
+                    family_config=data["card"],
+                    weights=data["program"].read(),
+                    actor=request.user,
+                ),  # fmt: skip
+                lambda base: (
+                    f"Registered {base.name} ({base.parameter_count:,} parameters). Modules an adapter can "
+                    f"target: {', '.join(m['name'] for m in candidate_modules(build_base(base)))}."
+                ),
+            )
+            if base is not None:
+                return redirect("frontend:models")
     return render(
         request,
         "frontend/models.html",
-        {"base_models": selectors.base_model_list(), "adapters": selectors.adapter_list()},
+        {"base_models": selectors.base_model_list(), "adapters": selectors.adapter_list(), "form": form},
+        status=400 if form.is_bound and form.errors else 200,
     )
 
 
