@@ -180,6 +180,8 @@ class AssignmentHandler:
             try:
                 metrics = self.evaluate(Path(previous["path"]) if previous else None, target, manifest) or {}
             except Exception as error:  # a broken evaluation must not brick the device: report it
+                logger.warning("could not evaluate %s v%s (assignment %s): %s: %s", manifest["adapter"],
+                               manifest["version"], assignment_id, type(error).__name__, error)  # fmt: skip
                 self._report(assignment_id, "failed", f"evaluation failed: {type(error).__name__}: {error}")
                 return {"status": "failed", "code": "evaluation_failed"}
         # The swap: one atomic write of the state file; the previous file stays for falling back.

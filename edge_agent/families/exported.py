@@ -35,6 +35,7 @@ import io
 import json
 import keyword
 import re
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -203,11 +204,18 @@ def check_archive(data: bytes) -> None:
             ) from None
 
 
+# torch.export.load keeps the deserializer of the load under way in a global (torch 2.13): two threads loading at once
+# (an agent's training pass and its assignment handler evaluating a new version) fail, "_CURRENT_DESERIALIZER is
+# already set", 23 of 40 loads in bench/own_model.py's two-thread check. One load at a time per process.
+_LOADING = threading.Lock()
+
+
 def load_program(source: Path | bytes | io.BytesIO) -> torch.export.ExportedProgram:
     data = _bytes(source)
     check_archive(data)
     try:
-        return torch.export.load(io.BytesIO(data))
+        with _LOADING:
+            return torch.export.load(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001 - a program torch cannot read is the uploader's error, said as such
         raise ProgramRejected("not_a_program", f"torch.export.load could not read it: {type(exc).__name__}: {exc}")
 
