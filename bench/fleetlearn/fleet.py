@@ -78,6 +78,11 @@ class FleetDevice:
         return SimulatedStream(self.data.train, per_poll=self.per_batch, seed=self.data.index, wrap=wrap,
                                multiple=SPLIT_EVERY)  # fmt: skip
 
+    def app_samples(self, batch: dict) -> dict:
+        """What the application hands ``Agent.add_samples`` of a batch from the stream: digits in [0, 1] (a repeat's
+        fresh noise clipped back)."""
+        return {"x": batch["x"].clip(0.0, 1.0), "y": batch["y"]}
+
     def held_samples(self) -> dict:
         """The distinct samples the agent holds (the stream's first pass: a repeat of one is the same digit)."""
         order = self.stream().order
@@ -126,10 +131,10 @@ async def _feed(device: FleetDevice, stop: asyncio.Event, rng: random.Random) ->
         batch = stream.poll()
         if batch is None:
             return
-        x = batch["x"].clip(0.0, 1.0)
         if device.correct is None:
-            device.handed += agent.add_samples({"x": x, "y": batch["y"]})
+            device.handed += agent.add_samples(device.app_samples(batch))
         else:
+            x = batch["x"].clip(0.0, 1.0)
             await asyncio.to_thread(_answer_and_correct, device, agent, x, batch["y"], rng)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=device.feed_seconds * rng.uniform(0.8, 1.5))

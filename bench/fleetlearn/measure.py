@@ -51,8 +51,15 @@ class ApiReader:
 
 
 def as_tensors(data: dict) -> dict:
-    return {"x": torch.as_tensor(np.asarray(data["x"]), dtype=torch.float32),
-            "y": torch.as_tensor(np.asarray(data["y"]), dtype=torch.int64)}  # fmt: skip
+    """Samples as the family reads them: the labels ``y`` int64, float inputs float32 (digits' ``x``, a sensor's
+    ``window``), integer inputs int64."""
+
+    def tensor(key: str, value) -> torch.Tensor:
+        value = np.asarray(value)
+        whole = key == "y" or np.issubdtype(value.dtype, np.integer)
+        return torch.as_tensor(value, dtype=torch.int64 if whole else torch.float32)
+
+    return {key: tensor(key, value) for key, value in data.items()}
 
 
 class Models:
