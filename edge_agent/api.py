@@ -108,7 +108,10 @@ class Agent:
 
     def _family(self):
         training = self._current()["training"]
-        return get_family(training["family"]), training.get("family_config", {})
+        family = get_family(training["family"])
+        if hasattr(family, "attach"):  # its samples are encoded with files of the base (a tokenizer)
+            family.attach(self.adapters.base_path(self.adapters.state()["base_model_sha256"]))
+        return family, training.get("family_config", {})
 
     def schema(self) -> dict[str, str]:
         """The fields a sample needs, each described (``{"x": "float32 [1, 8, 8] in [0, 1]", ...}``)."""

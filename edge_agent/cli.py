@@ -244,7 +244,8 @@ def cmd_export(args) -> int:
         what = f"the personal model ({state.get('method')}) on {what}"
     args.directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.directory / "adapter_model.safetensors"))
-    if loads_file(get_family(training["family"])):  # an exported program: no PEFT class applies to it
+    family = get_family(training["family"])
+    if loads_file(family) and not getattr(family, "exports_peft", False):  # an exported program: no PEFT class fits
         base_sha = AdapterStore(args.home).state().get("base_model_sha256")
         card = adapter_card(training, tensors, base_sha)
         (args.directory / "adapter_card.json").write_text(json.dumps(card, indent=2))

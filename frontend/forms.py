@@ -1,3 +1,5 @@
+import json
+
 from django import forms
 from django.contrib.auth.password_validation import validate_password
 from django.utils import timezone
@@ -5,8 +7,9 @@ from django.utils import timezone
 from accounts.models import User
 from accounts.roles import Role
 from devices.models import Cohort
-from training.models import Adapter, AdapterVersion, Rollout
+from training.models import Adapter, AdapterVersion, BaseModel, Rollout
 from training.registry.personalization_settings import METHODS, PERSONALIZATION_DEFAULTS, personalization_settings
+from training.registry.services import MAX_ARTIFACT_BYTES
 
 
 class ApiTokenForm(forms.Form):
@@ -45,45 +48,55 @@ class UserCreateForm(forms.Form):
 
 
 class OwnModelForm(forms.Form):
-    """A team's own model: a ``.pt2`` saved with ``torch.export.save`` and its card (README.md, "Your own model,
-    without code"); the service checks both before anything is stored."""
+    """A team's own model: a ``.pt2`` saved with ``torch.export.save`` and its card, or a Hugging Face text
+    classifier's folder zipped (README.md, "Your own model, without code"); the service checks it before anything is
+    stored."""
 
+    KINDS = [
+        ("exported-program", "PyTorch program (.pt2) and its card"),
+        ("hf-text-classifier", "Hugging Face text classifier (its folder, zipped)"),
+    ]
     name = forms.SlugField(max_length=64, help_text="Letters, digits, - and _, e.g. wrist-cnn.")
+    kind = forms.ChoiceField(choices=KINDS, initial="exported-program")
     program = forms.FileField(
-        label="Model (.pt2)", help_text="Saved with torch.export.save, the batch dimension dynamic."
+        label="Model file",
+        help_text="A .pt2 saved with torch.export.save (the batch dimension dynamic), or a .zip of a folder "
+        "save_pretrained wrote (config.json, model.safetensors, the tokenizer).",
     )
     card = forms.CharField(
+        required=False,
         widget=forms.Textarea(attrs={"rows": 4, "spellcheck": "false"}),
-        help_text='JSON: {"inputs": [{"name": "window", "dtype": "float32", "shape": ["batch", 3, 32]}], '
-        '"task": "classification", "classes": 4}',
+        help_text='For a .pt2: {"inputs": [{"name": "window", "dtype": "float32", "shape": ["batch", 3, 32]}], '
+        '"task": "classification", "classes": 4}. For a Hugging Face folder: optional {"max_length": 64}.',
     )
 
     def clean_name(self):
-        from training.models import BaseModel
-
         name = self.cleaned_data["name"]
         if BaseModel.objects.filter(name=name).exists():
             raise forms.ValidationError("A base model with this name exists.")
         return name
 
     def clean_program(self):
-        from training.registry.services import MAX_ARTIFACT_BYTES
-
         program = self.cleaned_data["program"]
         if program.size > MAX_ARTIFACT_BYTES:
             raise forms.ValidationError(f"The file is {program.size:,} bytes; the limit is {MAX_ARTIFACT_BYTES:,}.")
         return program
 
-    def clean_card(self):
-        import json
-
+    def clean(self):
+        data = super().clean()
+        text = (data.get("card") or "").strip()
+        if not text and data.get("kind") == "exported-program":
+            self.add_error("card", "A .pt2 needs its card: what the model takes and predicts.")
+            return data
         try:
-            card = json.loads(self.cleaned_data["card"])
+            card = json.loads(text) if text else {}
         except ValueError as error:
-            raise forms.ValidationError(f"The card is not JSON: {error}.") from None
+            self.add_error("card", f"The card is not JSON: {error}.")
+            return data
         if not isinstance(card, dict):
-            raise forms.ValidationError("The card must be a JSON object.")
-        return card
+            self.add_error("card", "The card must be a JSON object.")
+        data["card"] = card
+        return data
 
 
 # --- fleet --------------------------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ A family whose base is a file of its own rather than weights for ``build`` (``lo
 
 - ``check_config(config) -> config``: the config in its normal form, ``ValueError`` (with a ``code``) if wrong;
 - ``load(config, source) -> torch.nn.Module``: the base from its stored file (a path or its bytes), checked;
-- ``defaults(base) -> (targets, modules_to_save)``: an adapter's modules where its creator names none.
+- ``defaults(base) -> (targets, modules_to_save)``: an adapter's modules where its creator names none;
+- optionally ``config_for(file_bytes, given) -> config``: the config an upload gets, read from the file itself, and
+  ``attach(base_file)``: the device's stored file, where the family finds what ``encode_samples`` needs.
 
-Built in: ``digits-cnn``, ``minilm-text`` and ``exported-program`` (imported only when asked for, so the digits
-family works without ``transformers``). New families plug in as ``package.module:attribute``.
+Built in: ``digits-cnn``, ``minilm-text``, ``exported-program`` and ``hf-text-classifier`` (imported only when
+asked for, so the digits family works without ``transformers``). New families plug in as ``package.module:attribute``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _BUILTIN = {
     "digits-cnn": "edge_agent.families.digits:DigitsCNN",
     "minilm-text": "edge_agent.families.minilm:MiniLMText",
     "exported-program": "edge_agent.families.exported:ExportedProgramFamily",
+    "hf-text-classifier": "edge_agent.families.huggingface:HFTextClassifier",
 }
 
 

@@ -108,6 +108,22 @@ def class_accuracy(model: nn.Module, data: dict[str, torch.Tensor], *, batch_siz
     return [round(float(r / n), 6) if n else None for r, n in zip(right.tolist(), seen.tolist(), strict=True)]
 
 
+class Classifier:
+    """What a family whose model gives class logits shares: ``evaluate`` (in slices of ``eval_batch_size``),
+    ``loss`` and ``restricted_loss``."""
+
+    eval_batch_size = 256
+
+    def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, float]:
+        return classification_evaluate(model, data, batch_size=self.eval_batch_size)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return classification_loss(model, batch)
+
+    def restricted_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], classes: torch.Tensor) -> torch.Tensor:
+        return restricted_classification_loss(model, batch, classes)
+
+
 def dirichlet_shards(labels, num_devices: int, alpha: float, seed: int = 0) -> list[np.ndarray]:
     """Split sample indices into ``num_devices`` non-IID shards: for every class, the share each device gets
     is drawn from Dirichlet(alpha) (small alpha: few classes per device). Every index lands in exactly one

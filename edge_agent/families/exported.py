@@ -164,16 +164,19 @@ def _bytes(source: Path | bytes | io.BytesIO) -> bytes:
     return Path(source).read_bytes()
 
 
-def check_archive(data: bytes) -> None:
-    """``ProgramRejected`` unless ``data`` is a zip archive as ``torch.export.save`` writes it, safe to load."""
+def open_archive(data: bytes, *, what: str) -> zipfile.ZipFile:
+    """``data`` as a zip archive whose members are safe to read or unpack: at most ``MAX_MEMBERS``, none outside its
+    folder (an absolute path, ``..``, a drive, a backslash) nor a symbolic link, at most ``MAX_UNPACKED_BYTES`` in
+    all; ``ProgramRejected`` (``not_a_program``, ``unsafe_archive``, ``too_large``) naming the first member wrong.
+    ``what`` names what the archive should be, for the message."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise ProgramRejected("not_a_program", f"not a .pt2 archive (torch.export.save writes a zip): {exc}") from None
+        raise ProgramRejected("not_a_program", f"not {what} (a zip archive): {exc}") from None
     if not members or len(members) > MAX_MEMBERS:
         raise ProgramRejected("not_a_program", f"the archive holds {len(members)} members; 1 to {MAX_MEMBERS}")
-    tops, unpacked = set(), 0
+    unpacked = 0
     for member in members:
         name = member.filename
         parts = name.split("/")
@@ -181,10 +184,17 @@ def check_archive(data: bytes) -> None:
             raise ProgramRejected("unsafe_archive", f"the archive member {name!r} points outside its folder")
         if (member.external_attr >> 16) & 0o170000 == 0o120000:
             raise ProgramRejected("unsafe_archive", f"the archive member {name!r} is a symbolic link")
-        tops.add(parts[0])
         unpacked += member.file_size
     if unpacked > MAX_UNPACKED_BYTES:
         raise ProgramRejected("too_large", f"the archive unpacks to {unpacked:,} bytes; at most {MAX_UNPACKED_BYTES:,}")
+    return archive
+
+
+def check_archive(data: bytes) -> None:
+    """``ProgramRejected`` unless ``data`` is a zip archive as ``torch.export.save`` writes it, safe to load."""
+    archive = open_archive(data, what="a .pt2 archive (torch.export.save writes one)")
+    members = archive.infolist()
+    tops = {member.filename.split("/")[0] for member in members}
     if len(tops) != 1 or not any(m.filename.split("/", 1)[-1] == "archive_format" for m in members):
         raise ProgramRejected("not_a_program", "not an archive torch.export.save wrote (one folder, 'archive_format')")
     for member in members:

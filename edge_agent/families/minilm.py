@@ -18,12 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.families.common import (
-    SampleField,
-    classification_evaluate,
-    classification_loss,
-    restricted_classification_loss,
-)
+from edge_agent.families.common import Classifier, SampleField
 
 NUM_LAYERS = 6
 HIDDEN = 384
@@ -122,11 +117,12 @@ def toy_texts(n: int, *, seed: int = 0, topics: tuple[str, ...] | None = None) -
     return texts, labels
 
 
-class MiniLMText:
+class MiniLMText(Classifier):
     name = "minilm-text"
     default_targets = attention_targets()
     default_modules_to_save = ("head",)
     default_rank, default_alpha = 4, 8.0
+    eval_batch_size = 64
 
     def sample_fields(self, config: dict[str, Any]) -> dict[str, SampleField]:
         """What an application hands the agent: a text and its class (``num_classes``, default the toy topics)."""
@@ -173,12 +169,3 @@ class MiniLMText:
             texts, labels = toy_texts(n, seed=seed * 2 + offset, topics=topics)
             parts.append({**tokenize(texts, max_length=max_length), "y": torch.tensor(labels, dtype=torch.int64)})
         return parts[0], parts[1]
-
-    def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, float]:
-        return classification_evaluate(model, data, batch_size=64)
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return classification_loss(model, batch)
-
-    def restricted_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], classes: torch.Tensor) -> torch.Tensor:
-        return restricted_classification_loss(model, batch, classes)

@@ -44,8 +44,8 @@ LINEAGE_SHOWN = 10  # versions in the adapter page's lineage until "show all" (`
 
 @role_required(Role.VIEWER)
 def models(request):
-    """Base models and adapters; admins upload their own model here (a ``.pt2`` and its card): on success the
-    page says which modules an adapter can target."""
+    """Base models and adapters; admins upload their own model here (a ``.pt2`` and its card, or a Hugging Face
+    text classifier's folder zipped): on success the page says which modules an adapter can target."""
     form = OwnModelForm(request.POST or None, request.FILES or None)
     if request.method == "POST":
         if not has_role(request.user, Role.ADMIN):
@@ -56,7 +56,7 @@ def models(request):
                 request,
                 lambda: base_model_create(
                     name=data["name"],
-                    family="exported-program",
+                    family=data["kind"],
                     family_config=data["card"],
                     weights=data["program"].read(),
                     actor=request.user,

@@ -1,7 +1,7 @@
 """Your own model from the dashboard (issue 51), in a real headless Chromium against the real ASGI server: an admin
-uploads a ``.pt2`` and its card on the models page and reads which modules an adapter can target; a card that does
-not match the model is refused with its reason and nothing is stored; a viewer sees no form. Screenshots go to
-``tests/artifacts/screenshots/`` (own-model-*.png)."""
+uploads a ``.pt2`` and its card, then a Hugging Face folder, on the models page and reads which modules an adapter
+can target; a card that does not match the model is refused with its reason and nothing is stored; a viewer sees no
+form. Screenshots go to ``tests/artifacts/screenshots/`` (own-model-*.png)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from demo.sensor_model import CARD, export_bytes, trained_model
 from tests.frontend.conftest import off_loop
 from tests.frontend.test_browser import DESKTOP, PASSWORD, Dashboard
+from tests.hf_support import tiny_bert_zip
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -61,6 +62,18 @@ def test_an_admin_uploads_a_pt2_and_its_card_and_reads_the_modules_adapters_targ
     )
     assert off_loop(_base_models) == ["wrist-cnn"]
     ui.screenshot("own-model-registered-desktop")
+
+    bert = program.parent / "intent-bert.zip"  # a Hugging Face text classifier's folder, zipped
+    bert.write_bytes(tiny_bert_zip()[0])
+    form = ui.page.locator("[data-testid=own-model-form]")
+    form.locator("input[name=name]").fill("intent-bert")
+    form.locator("select[name=kind]").select_option("hf-text-classifier")
+    form.locator("input[name=program]").set_input_files(str(bert))
+    form.locator("button[type=submit]").click()
+    ui.page.wait_for_url(server_url + "/models/")
+    message = ui.page.locator("#messages").inner_text()
+    assert "Registered intent-bert" in message and "attention.self.query" in message, message
+    assert ui.page.locator("[data-testid=card-intent-bert]").inner_text() == "text → 3 labels, 64 tokens"
     ui.close()
 
     viewer = Dashboard(browser, server_url, "viewer", viewport=DESKTOP)

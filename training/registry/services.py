@@ -85,7 +85,7 @@ def _file_base(family, config: dict, weights: bytes | None):
     if weights is None:
         raise Invalid("weights_required", f"a {family.name} base model is its uploaded file: send it as 'weights'")
     try:
-        config = family.check_config(config)
+        config = family.config_for(weights, config) if hasattr(family, "config_for") else family.check_config(config)
         return config, family.load(config, weights)
     except ValueError as exc:
         raise Invalid(f"artifact_{getattr(exc, 'code', 'invalid')}", str(exc)) from None
