@@ -68,6 +68,7 @@ def parse(argv):
 
 def measure_device(d, models, v1, released, seed: int, runs: int) -> dict:
     """One device's row: its models on its TEST windows, and what its agent did and reports."""
+    # torch and the product load in the run, not at --help (as bench/fleet_learning.py does)
     from bench.fleetlearn.measure import both_models, device_report
     from edge_agent.api import Agent
 

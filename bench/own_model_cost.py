@@ -94,6 +94,7 @@ def _reset_peak() -> None:
 
 
 def run_child(spec: dict) -> dict:
+    # Imported here, in the child: what they cost is part of the idle process each configuration starts from.
     import gc
     import tempfile
     import time

@@ -54,6 +54,7 @@ from edge_agent.families.common import (
     restricted_classification_loss,
     size,
 )
+from edge_agent.lora import PREFIX
 
 NAME = "exported-program"
 TASKS = ("classification", "regression")
@@ -379,8 +380,6 @@ class ExportedProgramFamily:
 def adapter_card(training: dict, tensors: dict[str, torch.Tensor], base_sha256: str | None) -> dict:
     """What ``edge-agent export`` writes beside an exported program's adapter (``adapter_card.json``): the base it
     applies to and how, for a team that takes it back to its own code (``merged_state_dict`` does it)."""
-    from edge_agent.lora import PREFIX
-
     rank, alpha = int(training["rank"]), float(training["alpha"])
     return {
         "format": "fleet-lora-on-weights/1",
@@ -409,8 +408,6 @@ def adapter_card(training: dict, tensors: dict[str, torch.Tensor], base_sha256: 
 def merged_state_dict(state_dict: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], card: dict) -> dict:
     """The team's own model's ``state_dict`` with the adapter merged in, as ``adapter_card`` says: load it into the
     model's class, or export it again."""
-    from edge_agent.lora import PREFIX
-
     merged = {key: value.clone() for key, value in state_dict.items()}
     for name, keys in card["target_modules"].items():
         weight = merged[f"{name}.weight"]

@@ -104,10 +104,18 @@ def check_folder(data: bytes) -> dict:
     return config
 
 
-def _folder(source: Path | bytes) -> Path:
+def _read(source: Path | bytes) -> bytes:
+    return bytes(source) if isinstance(source, bytes | bytearray) else Path(source).read_bytes()
+
+
+def _folder(source: Path | bytes, data: bytes | None = None) -> Path:
     """The model folder unpacked: beside the stored file (``<file>.d``) on a device, else in a temporary folder
-    named by the archive's sha256; unpacked once (a partial unpack is replaced)."""
-    data = source if isinstance(source, bytes | bytearray) else Path(source).read_bytes()
+    named by the archive's sha256; unpacked once (a partial unpack is replaced). A device's base file is named by
+    its sha256, checked when it was downloaded, and never rewritten: a complete folder beside it is its own, found
+    without reading the file again (``predict`` and ``add_samples`` look for the tokenizer each time)."""
+    if not isinstance(source, bytes | bytearray) and (Path(str(source) + ".d") / ".complete").exists():
+        return Path(str(source) + ".d")
+    data = _read(source) if data is None else data
     digest = hashlib.sha256(data).hexdigest()
     target = (Path(str(source) + ".d") if not isinstance(source, bytes | bytearray)
               else Path(tempfile.gettempdir()) / "fleet-hf" / digest)  # fmt: skip
@@ -119,7 +127,7 @@ def _folder(source: Path | bytes) -> Path:
         # either nothing or the whole folder.
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         staging = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=target.parent))
-        archive = open_archive(bytes(data), what="a Hugging Face model folder in a zip")
+        archive = open_archive(data, what="a Hugging Face model folder in a zip")
         for name, member in _files(archive).items():
             (staging / name).write_bytes(archive.read(member))
         (staging / ".complete").write_text(digest)
@@ -164,9 +172,9 @@ class HFClassifier(nn.Module):
 def load_model(source: Path | bytes) -> HFClassifier:
     """The model from its folder, after ``check_folder``; weights that do not match its config are refused."""
     _offline()
-    data = source if isinstance(source, bytes | bytearray) else Path(source).read_bytes()
-    check_folder(bytes(data))
-    folder = _folder(source)
+    data = _read(source)
+    check_folder(data)
+    folder = _folder(source, data)
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -183,7 +191,9 @@ def load_model(source: Path | bytes) -> HFClassifier:
     wrong = {k: sorted(v)[:3] for k, v in info.items() if k != "error_msgs" and v}
     if wrong or info.get("error_msgs"):
         raise ProgramRejected("bad_weights", f"the weights do not match config.json: {wrong or info['error_msgs'][:1]}")
-    return HFClassifier(model.eval()).eval()
+    classifier = HFClassifier(model.eval()).eval()
+    classifier.folder = folder  # where its tokenizer is (HFTextClassifier.load)
+    return classifier
 
 
 def _check_shapes(folder: Path) -> None:
@@ -237,8 +247,9 @@ class HFTextClassifier(Classifier):
         return config
 
     def load(self, config: dict, source: Path | bytes) -> nn.Module:
-        self._folder = _folder(source)
-        return load_model(source)
+        model = load_model(source)
+        self._folder = model.folder
+        return model
 
     def attach(self, base_file: Path) -> None:
         """The device's stored base file, whose folder holds the tokenizer ``encode_samples`` uses."""

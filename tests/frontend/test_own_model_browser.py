@@ -13,6 +13,7 @@ from demo.sensor_model import CARD, export_bytes, trained_model
 from tests.frontend.conftest import off_loop
 from tests.frontend.test_browser import DESKTOP, PASSWORD, Dashboard
 from tests.hf_support import tiny_bert_zip
+from training.models import BaseModel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -25,8 +26,6 @@ def program(tmp_path):
 
 
 def _base_models():
-    from training.models import BaseModel
-
     return sorted(BaseModel.objects.values_list("name", flat=True))
 
 

@@ -17,9 +17,10 @@ from django.core.management import CommandError, call_command
 from safetensors.torch import load as load_safetensors
 
 from demo.sensor_model import CARD, SensorCNN, export_bytes, trained_model, windows
+from edge_agent.assignments import build_model
 from edge_agent.families.exported import ExportedProgramFamily, ProgramRejected, check_card
 from edge_agent.lora_layers import adapter_tensors, apply_adapter, load_adapter_tensors
-from training.models import BaseModel, TrainingEvent
+from training.models import Adapter, BaseModel, TrainingEvent
 from training.registry.blobs import blob_read
 from training.registry.services import build_base, version_create_seeded
 
@@ -99,12 +100,8 @@ def test_a_pt2_and_its_card_become_a_base_model_whose_modules_adapters_target(ap
     assert "'conv3'" in response.json()["error"]["message"]
     assert "candidate modules: conv1, conv2, fc, head" in response.json()["error"]["message"]
 
-    from training.models import Adapter
-
     version = version_create_seeded(adapter=Adapter.objects.get(name="wear-lora"), seed=1)
     tensors = load_safetensors(blob_read(version.blob_sha256))
-    from edge_agent.assignments import build_model
-
     base_file = tmp_path / "base.pt2"
     base_file.write_bytes(data)
     training = {"family": "exported-program", "family_config": body["family_config"], "rank": 8, "alpha": 16.0,

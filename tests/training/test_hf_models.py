@@ -25,6 +25,7 @@ from tests.hf_support import TEXTS, tiny_bert_zip, zipped
 from training.models import Adapter, BaseModel, TrainingEvent
 from training.registry.blobs import blob_read
 from training.registry.services import version_create_seeded
+from training.rollouts.manifests import training_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -45,8 +46,6 @@ def _upload(client, name: str, data: bytes | None, config: dict | None = None):
 def _install(home, data: bytes, adapter: Adapter, tensors: dict, base: BaseModel) -> None:
     """Version 1 installed as the assignment handler installs it: the zip as the base file, the signed training
     setting (what rollouts/manifests.py puts in a manifest)."""
-    from training.rollouts.manifests import training_config
-
     store = AdapterStore(home)
     store.base_root.mkdir(parents=True, exist_ok=True)
     store.base_path(base.weights_sha256).write_bytes(data)

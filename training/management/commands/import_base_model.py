@@ -22,6 +22,8 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import Invalid, TooLarge
+from training.models import BaseModel
+from training.registry.services import base_model_create, build_base, candidate_modules
 
 
 class Command(BaseCommand):
@@ -34,8 +36,6 @@ class Command(BaseCommand):
         parser.add_argument("--max-length", type=int, default=64, help="Hugging Face: tokens a text is cut to")
 
     def handle(self, *args, path, card, name, max_length=64, **options):
-        from training.models import BaseModel
-
         path = Path(path)
         name = name or re.sub(r"[^a-z0-9_-]+", "-", path.stem.lower()).strip("-")[:64] or "model"
         if BaseModel.objects.filter(name=name).exists():
@@ -60,8 +60,6 @@ class Command(BaseCommand):
         self._register(name, "exported-program", config, data)
 
     def _register(self, name: str, family: str, config: dict, data: bytes) -> None:
-        from training.registry.services import base_model_create, build_base, candidate_modules
-
         try:
             base = base_model_create(name=name, family=family, family_config=config, weights=data)
         except (Invalid, TooLarge) as error:
